@@ -1,0 +1,12 @@
+/* Types shared by every op's C interface: the dtype tag kernels dispatch on.
+ * Plain C so that C kernels, CUDA C kernels and the C++ shim all include it. */
+#pragma once
+#include <stdint.h>
+
+typedef enum fo_dtype {
+  FO_F32 = 0,
+  FO_F16 = 1,
+  FO_BF16 = 2,
+} fo_dtype;
+
+static inline int fo_dtype_size(fo_dtype t) { return t == FO_F32 ? 4 : 2; }

@@ -1,0 +1,152 @@
+// Helpers shared by every *_ops.cpp shim: argument checks that produce the
+// library's error messages ("<op>: <arg> <what was given>, expected <what>"),
+// dtype mapping, 2-D row views and the current CUDA stream.
+#pragma once
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fo_types.h"
+
+namespace fusedops {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+inline const char *dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Bool: return "bool";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline std::string device_name(const Tensor &t) {
+  if (t.is_cpu()) return "cpu";
+  if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device_index());
+  return "device type " + std::to_string(static_cast<int>(t.get_device()));
+}
+
+inline std::string shape_str(const Tensor &t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+// fp32, fp16 or bf16, else an error naming the op and argument.
+inline fo_dtype kernel_dtype(const char *op, const char *arg, const Tensor &t) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return FO_F32;
+    case ScalarType::Half: return FO_F16;
+    case ScalarType::BFloat16: return FO_BF16;
+    default:
+      STD_TORCH_CHECK(false, op, ": ", arg, " has dtype ", dtype_name(t.scalar_type()),
+                      ", expected float32, float16 or bfloat16");
+  }
+  return FO_F32;
+}
+
+inline void check_dtype_in(const char *op, const char *arg, const Tensor &t, ScalarType a,
+                           ScalarType b, const char *expected) {
+  STD_TORCH_CHECK(t.scalar_type() == a || t.scalar_type() == b, op, ": ", arg, " has dtype ",
+                  dtype_name(t.scalar_type()), ", expected ", expected);
+}
+
+inline void check_same_device(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
+                              const char *ref_arg) {
+  STD_TORCH_CHECK(t.get_device() == ref.get_device() &&
+                      t.get_device_index() == ref.get_device_index(),
+                  op, ": ", arg, " is on ", device_name(t), " but ", ref_arg, " is on ",
+                  device_name(ref), "; all tensors must be on one device");
+}
+
+inline void check_same_shape(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
+                             const char *ref_arg) {
+  bool same = t.dim() == ref.dim();
+  for (int64_t d = 0; same && d < t.dim(); ++d) same = t.size(d) == ref.size(d);
+  STD_TORCH_CHECK(same, op, ": ", arg, " has shape ", shape_str(t), ", expected the shape of ",
+                  ref_arg, " ", shape_str(ref));
+}
+
+// A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
+inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {
+  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", arg, " has shape ", shape_str(t),
+                  ", expected [", n, "] (the size of the last dimension of the input)");
+  return (n <= 1 || t.stride(0) == 1) ? t : torch::stable::contiguous(t);
+}
+
+// A tensor read as a [rows, cols] matrix with unit stride along cols and one
+// row stride (in elements). Views that fit are read in place (slices along
+// the last dimension, broadcast rows); anything else is copied, never misread.
+struct RowView {
+  Tensor t;
+  int64_t rows, cols, stride;
+};
+
+inline RowView row_view(const Tensor &in) {
+  const int64_t n = in.dim();
+  const int64_t cols = in.size(n - 1);
+  const int64_t rows = cols ? in.numel() / cols : [&] {
+    int64_t r = 1;
+    for (int64_t d = 0; d + 1 < n; ++d) r *= in.size(d);
+    return r;
+  }();
+  bool ok = cols <= 1 || in.stride(n - 1) == 1;
+  int64_t row_stride = -1, expect = -1;
+  for (int64_t d = n - 2; ok && d >= 0; --d) {
+    if (in.size(d) == 1) continue;
+    if (row_stride < 0) {
+      row_stride = in.stride(d);
+    } else if (in.stride(d) != expect) {
+      ok = false;
+    }
+    expect = in.stride(d) * in.size(d);
+  }
+  if (row_stride < 0) row_stride = cols;
+  if (ok) return {in, rows, cols, row_stride};
+  return {torch::stable::contiguous(in), rows, cols, cols};
+}
+
+inline int64_t numel_rows(const Tensor &t) {
+  int64_t r = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) r *= t.size(d);
+  return r;
+}
+
+inline Tensor empty_like_shape(const Tensor &like, ScalarType dtype) {
+  std::vector<int64_t> sizes(like.dim());
+  for (int64_t d = 0; d < like.dim(); ++d) sizes[d] = like.size(d);
+  return torch::stable::new_empty(like, sizes, dtype);
+}
+
+inline Tensor empty_1d(const Tensor &like, int64_t n, ScalarType dtype) {
+  return torch::stable::new_empty(like, {n}, dtype);
+}
+
+inline ScalarType scalar_type_of(fo_dtype t) {
+  return t == FO_F32 ? ScalarType::Float : t == FO_F16 ? ScalarType::Half : ScalarType::BFloat16;
+}
+
+#ifdef FUSEDOPS_WITH_CUDA
+inline void *current_cuda_stream(const Tensor &t) {
+  void *stream = nullptr;
+  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) ==
+                      AOTI_TORCH_SUCCESS,
+                  "fusedops: could not get the current CUDA stream");
+  return stream;
+}
+#endif
+
+}  // namespace fusedops

@@ -1,0 +1,6 @@
+"""Fake (meta) kernels and autograd formulas of the fusedops custom ops.
+
+The ops themselves are defined in C++ (csrc/library.cpp) and implemented per
+device by the compiled extension; importing this package attaches what
+torch.compile and autograd need to them."""
+from . import norm  # noqa: F401

@@ -1,0 +1,22 @@
+"""The plain-PyTorch math of every fusedops op.
+
+Tests run these in float64 as the ground truth and in the kernels' own low
+precision as the error yardstick (the 2x rule); benchmarks run them as the
+eager baseline and under torch.compile."""
+import torch
+import torch.nn.functional as F
+
+
+def add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32=False):
+    """s = x + residual (in residual's dtype); y = norm(s) in x's dtype.
+    Returns (y, s)."""
+    if residual is not None:
+        s = x.to(residual.dtype) + residual
+    else:
+        s = x.float() if residual_in_fp32 else x
+    h = (s.shape[-1],)
+    if rms:
+        y = F.rms_norm(s, h, weight, eps)
+    else:
+        y = F.layer_norm(s, h, weight, bias, eps)
+    return y.to(x.dtype), s

@@ -1,0 +1,86 @@
+"""Build fusedops._C: C kernels (C11 + OpenMP), CUDA C kernels and the thin
+C++ registration shim, as one abi3 extension against torch's stable ABI.
+
+Switches (environment):
+  FUSEDOPS_CUDA=0|1       force a CPU-only build / require CUDA (default: build CUDA
+                          kernels when torch has CUDA and nvcc is found)
+  TORCH_CUDA_ARCH_LIST    GPU targets (default "8.0;9.0")
+  MAX_JOBS                parallel compile jobs
+"""
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import setup
+
+import torch
+from torch.utils import cpp_extension
+
+TORCH_TARGET = "0x020B000000000000"  # torch 2.11: the oldest release the binary serves
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSION = re.search(r'__version__ = "([^"]+)"', open(os.path.join(HERE, "fusedops/__init__.py")).read())[1]
+
+
+def want_cuda():
+    flag = os.environ.get("FUSEDOPS_CUDA", "")
+    have = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if flag == "0":
+        return False
+    if flag == "1" and not have:
+        sys.exit("FUSEDOPS_CUDA=1 but CUDA is unavailable: torch %s (CUDA %s), CUDA_HOME=%s"
+                 % (torch.__version__, torch.version.cuda, cpp_extension.CUDA_HOME))
+    return have
+
+
+WITH_CUDA = want_cuda()
+ARCHS = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0") if WITH_CUDA else ""
+DEFINES = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET}"] + (["-DFUSEDOPS_WITH_CUDA", "-DUSE_CUDA"] if WITH_CUDA else [])
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """torch's BuildExtension compiles every non-CUDA file as C++; the C sources
+    are compiled here with the C compiler first and linked in as objects."""
+
+    def build_extension(self, ext):
+        cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+        c_sources = [s for s in ext.sources if s.endswith(".c")]
+        ext.sources = [s for s in ext.sources if not s.endswith(".c")]
+        macros = [f"-DFUSEDOPS_CUDA_ARCHS={ARCHS}", f"-DFUSEDOPS_TORCH_TARGET={TORCH_TARGET}",
+                  f"-DFUSEDOPS_BUILT_WITH_TORCH={torch.__version__}"]
+        for src in c_sources:
+            obj = os.path.join(self.build_temp, "c", src.replace("/", "_") + ".o")
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            cmd = cc + ["-std=c11", "-O3", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Werror",
+                        "-I" + sysconfig.get_paths()["include"], *DEFINES,
+                        *[f'-D{m[2:].split("=")[0]}="{m.split("=", 1)[1]}"' for m in macros],
+                        "-c", src, "-o", obj]
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd)
+            ext.extra_objects.append(obj)
+        super().build_extension(ext)
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*/*_ops.cpp") + ["csrc/module.c"]
+                     + glob.glob("csrc/*/*_cpu.c"))
+    cxx = ["-O3", "-std=c++17", "-Wall", *DEFINES]
+    kwargs = dict(py_limited_api=True, extra_link_args=["-fopenmp"])
+    if not WITH_CUDA:
+        return cpp_extension.CppExtension("fusedops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
+    nvcc = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", *DEFINES]
+    return cpp_extension.CUDAExtension("fusedops._C", sources + sorted(glob.glob("csrc/*/*_cuda.cu")),
+                                       extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+
+
+setup(
+    name="fusedops",
+    version=VERSION,
+    packages=["fusedops", "fusedops.ops"],
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
