@@ -15,8 +15,15 @@ def add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32=False):
     else:
         s = x.float() if residual_in_fp32 else x
     h = (s.shape[-1],)
+    # Mixed dtypes (bf16 s, fp32 weight) compute in the wider one, as eager
+    # torch does under autocast; some backends reject the mix outright.
+    ct = s.dtype
+    for p in (weight, bias):
+        if p is not None:
+            ct = torch.promote_types(ct, p.dtype)
+    cast = (lambda t: t if t is None or t.dtype == ct else t.to(ct))
     if rms:
-        y = F.rms_norm(s, h, weight, eps)
+        y = F.rms_norm(cast(s), h, cast(weight), eps)
     else:
-        y = F.layer_norm(s, h, weight, bias, eps)
+        y = F.layer_norm(cast(s), h, cast(weight), cast(bias), eps)
     return y.to(x.dtype), s

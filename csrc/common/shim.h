@@ -15,7 +15,8 @@
 
 #include "fo_types.h"
 
-namespace fusedops {
+// Hidden like torch::stable itself, whose types these helpers hold.
+namespace fusedops __attribute__((visibility("hidden"))) {
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;

@@ -1,0 +1,139 @@
+// CUDA helpers shared by every op's kernels: fp32 <-> storage dtype,
+// 16-byte vector load/store of a chunk, team (warp or block) sums, device
+// properties, and the dtype dispatch that turns fo_dtype tags into types.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "fo_types.h"
+
+namespace fo {
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// N elements of T moved as one unit: 16-byte aligned when it is 16 bytes or
+// more (a 32-byte pack is two 16-byte accesses), naturally aligned otherwise.
+template <class T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, class T>
+__device__ __forceinline__ void load_f(const T *p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
+}
+
+// Read-only path for small tensors every row reads again (weight, bias).
+template <int N, class T>
+__device__ __forceinline__ void load_f_ldg(const T *p, float (&out)[N]) {
+  static_assert(sizeof(Pack<T, N>) % 4 == 0 || N == 1, "pack size");
+  Pack<T, N> pk;
+  if constexpr (sizeof(Pack<T, N>) == 32) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p);
+    uint4 a = __ldg(q), b = __ldg(q + 1);
+    *reinterpret_cast<uint4 *>(&pk) = a;
+    *(reinterpret_cast<uint4 *>(&pk) + 1) = b;
+  } else if constexpr (sizeof(Pack<T, N>) == 16) {
+    *reinterpret_cast<uint4 *>(&pk) = __ldg(reinterpret_cast<const uint4 *>(p));
+  } else {
+    pk = *reinterpret_cast<const Pack<T, N> *>(p);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
+}
+
+template <int N, class T>
+__device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Pack<T, N> *>(p) = pk;
+}
+
+// Round each value to what storing it as T keeps.
+template <class T, int N>
+__device__ __forceinline__ void round_to(float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = to_f(from_f<T>(v[i]));
+}
+
+template <int K>
+__device__ __forceinline__ void warp_sum(float (&v)[K]) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+}
+
+// Sum K values over a team of `team` threads (a multiple of 32). A team of 32
+// is one warp and needs no shared memory; a larger team is the whole block
+// (blockDim.y == 1) and uses red[0..team/32*K), with a barrier. Every thread
+// gets the sum, added in the same order on every thread: deterministic.
+template <int K>
+__device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
+  warp_sum(v);
+  if (team == 32) return;
+  const int warp = threadIdx.x >> 5, nwarps = team >> 5;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int k = 0; k < K; ++k) red[k * 32 + warp] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float s = 0.f;
+    for (int w = 0; w < nwarps; ++w) s += red[k * 32 + w];
+    v[k] = s;
+  }
+}
+
+inline int sm_count(int device) {
+  static int cache[64];
+  if (device < 0 || device >= 64) return 132;
+  if (!cache[device]) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
+      n = 132;
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+inline int current_device() {
+  int d = 0;
+  cudaGetDevice(&d);
+  return d;
+}
+
+inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <class T> struct Tag { using type = T; };
+
+// Calls f(Tag<T>{}) for the storage type of fo_dtype t.
+template <class F>
+decltype(auto) with_type(fo_dtype t, F &&f) {
+  switch (t) {
+    case FO_F16: return f(Tag<__half>{});
+    case FO_BF16: return f(Tag<__nv_bfloat16>{});
+    default: return f(Tag<float>{});
+  }
+}
+
+inline const char *last_error() {
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+}  // namespace fo
