@@ -78,10 +78,18 @@ __device__ __forceinline__ void warp_sum(float (&v)[K]) {
     for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
 }
 
-// Sum K values over a team of `team` threads (a multiple of 32). A team of 32
-// is one warp and needs no shared memory; a larger team is the whole block
-// (blockDim.y == 1) and uses red[0..team/32*K), with a barrier. Every thread
-// gets the sum, added in the same order on every thread: deterministic.
+// Barrier among the `threads` threads of team `id` (named barrier id + 1; 0 is
+// __syncthreads). A block holds at most 15 teams.
+__device__ __forceinline__ void team_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id + 1), "r"(threads) : "memory");
+}
+
+// Sum K values over a team of `team` threads (a multiple of 32) that is row
+// threadIdx.y of the block. A team of 32 is one warp and needs no shared
+// memory; a larger team uses red[0..32*K) (its own slice) and its named
+// barrier. Every thread gets the sum, added in the same order on every
+// thread: deterministic. Callers alternate between two `red` slices on
+// successive calls, so that no thread overwrites values another still reads.
 template <int K>
 __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   warp_sum(v);
@@ -90,7 +98,7 @@ __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   if ((threadIdx.x & 31) == 0)
 #pragma unroll
     for (int k = 0; k < K; ++k) red[k * 32 + warp] = v[k];
-  __syncthreads();
+  team_sync(threadIdx.y, team);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     float s = 0.f;
@@ -115,6 +123,24 @@ inline int current_device() {
   int d = 0;
   cudaGetDevice(&d);
   return d;
+}
+
+// Resident blocks per multiprocessor of `kernel` at this block size and
+// dynamic shared memory, from the occupancy calculator (cached per thread).
+template <class K>
+int blocks_per_sm(K *kernel, int threads, size_t smem) {
+  struct Entry { const void *k; int threads; size_t smem; int n; };
+  thread_local Entry cache[64];
+  thread_local int used = 0;
+  for (int i = 0; i < used; ++i)
+    if (cache[i].k == (const void *)kernel && cache[i].threads == threads && cache[i].smem == smem)
+      return cache[i].n;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1)
+    n = 1;
+  cache[used % 64] = {(const void *)kernel, threads, smem, n};
+  used = used < 64 ? used + 1 : 64;
+  return n;
 }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -4,18 +4,22 @@
  * reads dy, s, ds and writes dx (4 matrices); weight-sized terms are noise.
  *
  * Kernels
- *   fwd_regs / bwd_regs  a team of threads per row (one warp, or one block for
- *                        wide rows) holds the row in fp32 registers: every
- *                        element is read once and written once. 16-byte vector
- *                        access; persistent grid striding over rows. bwd_regs
- *                        keeps its dweight/dbias sums in registers across all
- *                        rows it handles and writes one partial row per team.
+ *   fwd_regs / bwd_regs  a team of threads per row (a warp, or up to 1024
+ *                        threads for wide rows; several teams per block, each
+ *                        with its own named barrier) holds the row in fp32
+ *                        registers: every element is read once and written
+ *                        once, with 16-byte accesses, on a persistent grid
+ *                        sized by the occupancy calculator. bwd_regs keeps its
+ *                        dweight/dbias sums in registers across all its rows,
+ *                        adds the block's teams in shared memory and writes one
+ *                        partial row per block.
  *   fwd_loop / bwd_loop  any width or alignment: one block per row, passes over
- *                        the row re-read from L1/L2 (s is read back after it is
- *                        written). bwd_loop keeps its dweight/dbias sums in a
- *                        partial row in global memory owned by the block.
- *   colsum               second pass: dweight/dbias = sum of the partial rows,
- *                        in a fixed order (deterministic).
+ *                        the row re-read from L1/L2 (s read back after it is
+ *                        written by the same thread).
+ *   dwdb_cols            with bwd_loop: dweight/dbias partial sums over a tile of
+ *                        columns and a chunk of rows (reads dy and s once more).
+ *   colsum               dweight/dbias = sum of the partial rows in a fixed
+ *                        order: deterministic.
  * Measured figures and the history of versions: docs/perf-notes.md. */
 #include <algorithm>
 #include <type_traits>
@@ -26,24 +30,25 @@
 namespace {
 using namespace fo;
 
-constexpr int kWarpRows = 4;  // rows per block when a warp owns a row
-
 // Per-thread register budget of the register kernels: the forward holds one
 // row array of up to 32 fp32 values per thread, the backward four arrays
-// (xhat, dy, dweight and dbias sums) of up to 16. From half of that on, a block
-// is capped at 512 threads, so that each thread may use 128 registers
+// (xhat, dy, dweight and dbias sums) of up to 16. From half of that on, a
+// block is capped at 512 threads, so that each thread may use 128 registers
 // without spilling (ptxas -v: no spills in any instantiation).
 constexpr int kFwdElems = 32, kBwdElems = 16;
 constexpr int max_threads(int elems, int budget) { return elems * 2 >= budget ? 512 : 1024; }
+constexpr int kMaxTeams = 15;     // named barriers 1..15
+constexpr int kBlockTarget = 256;  // threads per block when teams are small
 
 // --- forward ------------------------------------------------------------------------------
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(const fo_norm_fwd_params p, int team) {
-  __shared__ float red[2][32];
-  const int tid = threadIdx.x;
+__global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(const fo_norm_fwd_params p) {
+  __shared__ float red[kMaxTeams][2][32];
+  const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
+  int parity = 0;
   for (int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; row < p.rows; row += row_step) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
@@ -73,7 +78,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
     }
     float mean = 0.f;
     if (!p.rms) {
-      team_sum(sum, team, red[0]);
+      team_sum(sum, team, red[threadIdx.y][parity]);
+      parity ^= 1;
       mean = sum[0] / (float)cols;
     }
     float sq[1] = {0.f};
@@ -84,7 +90,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
         for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
       }
     }
-    team_sum(sq, team, red[1]);
+    team_sum(sq, team, red[threadIdx.y][parity]);
+    parity ^= 1;
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
     T *y = static_cast<T *>(p.y) + row * cols;
 #pragma unroll
@@ -118,6 +125,7 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
   __shared__ float red[2][32];
   const int team = blockDim.x, tid = threadIdx.x;
   const int64_t cols = p.cols;
+  int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
@@ -145,7 +153,8 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
       else load_f<VEC>(x + c, v);
     };
     float mean = 0.f, var;
-    team_sum(acc, team, red[0]);
+    team_sum(acc, team, red[parity]);
+    parity ^= 1;
     if (p.rms) {
       var = acc[0] / (float)cols;
     } else {
@@ -157,7 +166,8 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sq[0] += (v[i] - mean) * (v[i] - mean);
       }
-      team_sum(sq, team, red[1]);
+      team_sum(sq, team, red[parity]);
+      parity ^= 1;
       var = sq[0] / (float)cols;
     }
     const float rstd = rsqrtf(var + p.eps);
@@ -180,16 +190,16 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
       if (p.mean) p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
-    __syncthreads();  // red[] is reused by the next row
   }
 }
 
 // --- backward -----------------------------------------------------------------------------
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(const fo_norm_bwd_params p, int team) {
-  __shared__ float red[2][64];
-  const int tid = threadIdx.x;
+__global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(const fo_norm_bwd_params p) {
+  __shared__ float red[kMaxTeams][2][64];
+  extern __shared__ float acc[];  // [cols]: the block's dweight or dbias sum
+  const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
   float dw[NV][VEC], db[NV][VEC];
@@ -223,7 +233,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
         }
       }
     }
-    team_sum(sums, team, red[parity]);
+    team_sum(sums, team, red[threadIdx.y][parity]);
     parity ^= 1;
     const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
     const float mean_gx = sums[1] / (float)cols;
@@ -247,33 +257,40 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
       }
     }
   }
-  if (!want_w && !want_b) return;
-  // One partial row per team, written even by a team that had no rows (zeros).
-  const int64_t part = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  // The block's teams add their sums into acc one team at a time (a fixed
+  // order), then the block writes its partial row. Teams that had no rows add
+  // zeros; team 0 covers every column, so acc is fully initialised.
+  const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
+  for (int which = 0; which < 2; ++which) {
+    if (!(which == 0 ? want_w : want_b)) continue;
+    for (int t = 0; t < (int)blockDim.y; ++t) {
+      __syncthreads();
+      if ((int)threadIdx.y == t) {
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t c = ((int64_t)k * team + tid) * VEC;
-    if (c < cols) {
-      store_f<VEC>(p.partial + part * cols + c, dw[k]);
-      store_f<VEC>(p.partial + (p.parts + part) * cols + c, db[k]);
+        for (int k = 0; k < NV; ++k) {
+          const int64_t c = ((int64_t)k * team + tid) * VEC;
+          if (c < cols)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i)
+              acc[c + i] = (t == 0 ? 0.f : acc[c + i]) + (which == 0 ? dw[k][i] : db[k][i]);
+        }
+      }
     }
+    __syncthreads();
+    float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
+    for (int64_t c = flat; c < cols; c += nthreads) out[c] = acc[c];
   }
 }
 
-// One block per row, two passes over the row; dweight/dbias summed into the
-// block's own partial row in global memory (each thread owns fixed columns,
-// so no atomics). The grid never exceeds the row count: every block has a
-// first row, which initialises its partial row.
+// dx only, any width: one block per row, two passes over the row (sums, then
+// dx); the second pass re-reads dy and s, mostly from L2.
 template <class T, class S, class W, int VEC>
 __global__ void __launch_bounds__(1024) bwd_loop(const fo_norm_bwd_params p) {
   __shared__ float red[2][64];
   const int team = blockDim.x, tid = threadIdx.x;
   const int64_t cols = p.cols;
-  float *pw = p.partial ? p.partial + (int64_t)blockIdx.x * cols : nullptr;
-  float *pb = p.partial ? p.partial + (p.parts + blockIdx.x) * cols : nullptr;
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const bool first = row == blockIdx.x;
     const T *dyp = static_cast<const T *>(p.dy) + row * p.dy_stride;
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
@@ -303,20 +320,54 @@ __global__ void __launch_bounds__(1024) bwd_loop(const fo_norm_bwd_params p) {
       if (p.ds) load_f<VEC>(static_cast<const S *>(p.ds) + row * p.ds_stride + c, ds);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        xh[i] = (xh[i] - mean) * rstd;
         const float g = p.weight ? dy[i] * w[i] : dy[i];
-        out[i] = rstd * (g - mean_g - xh[i] * mean_gx);
+        out[i] = rstd * (g - mean_g - (xh[i] - mean) * rstd * mean_gx);
         if (p.ds) out[i] += ds[i];
       }
       store_f<VEC>(dx + c, out);
-      if (pw) {
+    }
+  }
+}
+
+// dweight / dbias partial sums for bwd_loop: block (bx, by) sums columns
+// [bx*32*VEC, +32*VEC) over row chunk by; a warp reads 32 consecutive
+// vectors of one row. Partial row by of the workspace.
+constexpr int kColRows = 8;  // blockDim.y
+template <class T, class S, int VEC>
+__global__ void __launch_bounds__(32 * kColRows) dwdb_cols(const fo_norm_bwd_params p, int64_t rows_per_part) {
+  __shared__ float red[2][kColRows][32 * VEC + 1];
+  const int64_t c = ((int64_t)blockIdx.x * 32 + threadIdx.x) * VEC;
+  const int64_t r0 = blockIdx.y * rows_per_part, r1 = min(p.rows, r0 + rows_per_part);
+  float dw[VEC], db[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          pw[c + i] = (first ? 0.f : pw[c + i]) + dy[i] * xh[i];
-          pb[c + i] = (first ? 0.f : pb[c + i]) + dy[i];
-        }
+  for (int i = 0; i < VEC; ++i) dw[i] = db[i] = 0.f;
+  if (c < p.cols) {
+    for (int64_t row = r0 + threadIdx.y; row < r1; row += kColRows) {
+      const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
+      float s[VEC], dy[VEC];
+      load_f<VEC>(static_cast<const S *>(p.s) + row * p.s_stride + c, s);
+      load_f<VEC>(static_cast<const T *>(p.dy) + row * p.dy_stride + c, dy);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        dw[i] += dy[i] * (s[i] - mean) * rstd;
+        db[i] += dy[i];
       }
     }
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    red[0][threadIdx.y][threadIdx.x * VEC + i] = dw[i];
+    red[1][threadIdx.y][threadIdx.x * VEC + i] = db[i];
+  }
+  __syncthreads();
+  // 256 threads write the block's 2 x 32*VEC sums, each a fixed-order column sum.
+  for (int j = threadIdx.y * 32 + threadIdx.x; j < 2 * 32 * VEC; j += 32 * kColRows) {
+    const int which = j / (32 * VEC), col = j % (32 * VEC);
+    const int64_t cc = (int64_t)blockIdx.x * 32 * VEC + col;
+    if (cc >= p.cols) continue;
+    float sum = 0.f;
+    for (int t = 0; t < kColRows; ++t) sum += red[which][t][col];
+    p.partial[((int64_t)which * p.parts + blockIdx.y) * p.cols + cc] = sum;
   }
 }
 
@@ -339,23 +390,23 @@ __global__ void colsum(const float *partial, int64_t parts, int64_t cols, W *dw,
   }
 }
 
-// --- launch configuration -------------------------------------------------------------------
-
-struct Config {
-  int vec;   // elements per access: 16 bytes of x's dtype, or 1 (misaligned / odd widths)
-  int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
-  int team;  // threads per row
-  int rpb;   // rows per block
-  int grid;
-};
+// --- launch plans ---------------------------------------------------------------------------
 
 int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 
-// The register kernel when the row fits its budget (`budget` fp32 values per
-// thread per row array), with as many values per thread as the budget allows
-// (more loads in flight per thread); else the loop kernel.
-Config choose(int64_t rows, int64_t cols, int vec, bool vec_ok, int budget, int device) {
-  Config c{};
+// How a call runs: the register kernel when the row fits its budget (`budget`
+// fp32 values per thread per row array), with as many values per thread as
+// the budget allows (more loads in flight per thread), several small teams per
+// block; else the loop kernel with one block per row.
+struct Shape {
+  int vec;   // elements per access: 16 bytes of x's dtype, or 1 (misaligned / odd widths)
+  int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
+  int team;  // threads per row
+  int rpb;   // rows (teams) per block
+};
+
+Shape choose(int64_t cols, int vec, bool vec_ok, int budget) {
+  Shape c{};
   c.vec = vec_ok ? vec : 1;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
   const int max_nv = std::max(1, budget / vec);
@@ -365,25 +416,29 @@ Config choose(int64_t rows, int64_t cols, int vec, bool vec_ok, int budget, int 
   if (vec_ok && team <= max_threads(nv * vec, budget)) {
     c.team = (int)team;
     c.nv = nv;
-    c.rpb = c.team == 32 ? kWarpRows : 1;
+    c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
   } else {
     c.nv = 0;
     c.team = (int)std::min<int64_t>(1024, std::max<int64_t>(128, round_up32(chunks / 4)));
     c.rpb = 1;
   }
-  const int per_sm = std::max(1, 2048 / (c.team * c.rpb));
-  const int64_t groups = (rows + c.rpb - 1) / c.rpb;
-  c.grid = (int)std::min<int64_t>(groups, (int64_t)sm_count(device) * per_sm);
   return c;
+}
+
+// Persistent grid: as many blocks as are resident at once, at most one per row group.
+template <class K>
+int persistent_grid(K *kernel, int64_t rows, Shape c, size_t smem, int device) {
+  const int64_t groups = (rows + c.rpb - 1) / c.rpb;
+  const int64_t resident = (int64_t)sm_count(device) * blocks_per_sm(kernel, c.team * c.rpb, smem);
+  return (int)std::max<int64_t>(1, std::min(groups, resident));
 }
 
 bool fwd_vec_ok(const fo_norm_fwd_params *p, int vec) {
   const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype);
-  const int ws = fo_dtype_size(p->w_dtype);
-  return p->cols % vec == 0 && aligned16(p->x) && aligned16(p->y) &&
-         (p->x_stride * xs) % 16 == 0 && (!p->residual || (aligned16(p->residual) && (p->res_stride * ss) % 16 == 0)) &&
+  return p->cols % vec == 0 && aligned16(p->x) && aligned16(p->y) && (p->x_stride * xs) % 16 == 0 &&
+         (!p->residual || (aligned16(p->residual) && (p->res_stride * ss) % 16 == 0)) &&
          (!p->s || aligned16(p->s)) && (!p->weight || aligned16(p->weight)) &&
-         (!p->bias || aligned16(p->bias)) && (vec * ws) % 4 == 0;
+         (!p->bias || aligned16(p->bias));
 }
 
 bool bwd_vec_ok(const fo_norm_bwd_params *p, int vec) {
@@ -391,17 +446,7 @@ bool bwd_vec_ok(const fo_norm_bwd_params *p, int vec) {
   return p->cols % vec == 0 && aligned16(p->dy) && aligned16(p->s) && aligned16(p->dx) &&
          (p->dy_stride * xs) % 16 == 0 && (p->s_stride * ss) % 16 == 0 &&
          (!p->ds || (aligned16(p->ds) && (p->ds_stride * ss) % 16 == 0)) &&
-         (!p->weight || aligned16(p->weight)) && (!p->partial || aligned16(p->partial));
-}
-
-Config fwd_config(const fo_norm_fwd_params *p, int device) {
-  const int vec = 16 / fo_dtype_size(p->x_dtype);
-  return choose(p->rows, p->cols, vec, fwd_vec_ok(p, vec), kFwdElems, device);
-}
-
-Config bwd_config(const fo_norm_bwd_params *p, int device) {
-  const int vec = 16 / fo_dtype_size(p->x_dtype);
-  return choose(p->rows, p->cols, vec, bwd_vec_ok(p, vec), kBwdElems, device);
+         (!p->weight || aligned16(p->weight));
 }
 
 // Calls f(Tag<T>, Tag<S>, Tag<W>) for the (x, s, weight) dtypes: s and weight
@@ -429,10 +474,58 @@ void with_nv(int nv, F &&f) {
   }
 }
 
+// The backward's plan: the dx kernel, its grid and shared memory, and the
+// dweight/dbias partial rows (0 when none are wanted). `launch` false only
+// plans (for the workspace size); true also launches on `stream`.
+int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
+  const int vec = 16 / fo_dtype_size(p->x_dtype);
+  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), kBwdElems);
+  const bool want = p->dweight || p->dbias;
+  int64_t parts = 0;
+  with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
+    using T = typename decltype(tt)::type;
+    using S = typename decltype(ts)::type;
+    using W = typename decltype(tw)::type;
+    constexpr int V = 16 / sizeof(T);
+    if (c.nv) {
+      with_nv<V, kBwdElems>(c.nv, [&](auto nv) {
+        auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
+        const size_t smem = want ? p->cols * sizeof(float) : 0;
+        const int grid = persistent_grid(k, p->rows, c, smem, device);
+        parts = want ? grid : 0;
+        if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
+      });
+    } else {
+      auto *k = c.vec == 1 ? bwd_loop<T, S, W, 1> : bwd_loop<T, S, W, V>;
+      if (launch) k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, stream>>>(*p);
+      if (want) {
+        const int cv = c.vec == 1 ? 1 : V;
+        const int64_t col_blocks = (p->cols + 32 * cv - 1) / (32 * cv);
+        parts = std::max<int64_t>(1, std::min<int64_t>(p->rows, (4 * sm_count(device) + col_blocks - 1) / col_blocks));
+        parts = std::min<int64_t>(parts, 65535);
+        if (launch) {
+          const int64_t rows_per_part = (p->rows + parts - 1) / parts;
+          dim3 grid((unsigned)col_blocks, (unsigned)parts);
+          if (c.vec == 1) dwdb_cols<T, S, 1><<<grid, dim3(32, kColRows), 0, stream>>>(*p, rows_per_part);
+          else dwdb_cols<T, S, V><<<grid, dim3(32, kColRows), 0, stream>>>(*p, rows_per_part);
+        }
+      }
+    }
+    if (launch && want) {
+      dim3 grid((unsigned)((p->cols + 31) / 32), 2);
+      colsum<W><<<grid, dim3(32, 8), 0, stream>>>(p->partial, p->parts, p->cols,
+                                                   static_cast<W *>(p->dweight), static_cast<W *>(p->dbias));
+    }
+  });
+  return parts;
+}
+
 }  // namespace
 
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
-  const Config c = fwd_config(p, current_device());
+  const int device = current_device();
+  const int vec = 16 / fo_dtype_size(p->x_dtype);
+  const Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), kFwdElems);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
@@ -440,11 +533,12 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
     if (c.nv == 0) {
-      if (c.vec == 1) fwd_loop<T, S, W, 1><<<c.grid, c.team, 0, st>>>(*p);
-      else fwd_loop<T, S, W, V><<<c.grid, c.team, 0, st>>>(*p);
+      auto *k = c.vec == 1 ? fwd_loop<T, S, W, 1> : fwd_loop<T, S, W, V>;
+      k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
     } else {
       with_nv<V, kFwdElems>(c.nv, [&](auto nv) {
-        fwd_regs<T, S, W, V, decltype(nv)::value><<<c.grid, dim3(c.team, c.rpb), 0, st>>>(*p, c.team);
+        auto *k = fwd_regs<T, S, W, V, decltype(nv)::value>;
+        k<<<persistent_grid(k, p->rows, c, 0, device), dim3(c.team, c.rpb), 0, st>>>(*p);
       });
     }
   });
@@ -452,32 +546,13 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
 }
 
 extern "C" int64_t fo_norm_bwd_cuda_parts(const fo_norm_bwd_params *p, int device) {
-  const Config c = bwd_config(p, device);
-  return (int64_t)c.grid * c.rpb;
+  return bwd_plan(p, device, false, nullptr);
 }
 
 extern "C" const char *fo_norm_bwd_cuda(const fo_norm_bwd_params *p, void *stream) {
-  const Config c = bwd_config(p, current_device());
-  if (p->partial && p->parts != (int64_t)c.grid * c.rpb) return "partial workspace size mismatch";
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
-    using T = typename decltype(tt)::type;
-    using S = typename decltype(ts)::type;
-    using W = typename decltype(tw)::type;
-    constexpr int V = 16 / sizeof(T);
-    if (c.nv == 0) {
-      if (c.vec == 1) bwd_loop<T, S, W, 1><<<c.grid, c.team, 0, st>>>(*p);
-      else bwd_loop<T, S, W, V><<<c.grid, c.team, 0, st>>>(*p);
-    } else {
-      with_nv<V, kBwdElems>(c.nv, [&](auto nv) {
-        bwd_regs<T, S, W, V, decltype(nv)::value><<<c.grid, dim3(c.team, c.rpb), 0, st>>>(*p, c.team);
-      });
-    }
-    if (p->partial) {
-      dim3 grid((unsigned)((p->cols + 31) / 32), 2);
-      colsum<W><<<grid, dim3(32, 8), 0, st>>>(p->partial, p->parts, p->cols,
-                                               static_cast<W *>(p->dweight), static_cast<W *>(p->dbias));
-    }
-  });
+  const int device = current_device();
+  if ((p->dweight || p->dbias) && p->parts != bwd_plan(p, device, false, nullptr))
+    return "fusedops: dweight/dbias workspace does not match the launch plan";
+  bwd_plan(p, device, true, static_cast<cudaStream_t>(stream));
   return last_error();
 }

@@ -44,7 +44,7 @@ def _add_norm_bwd_fake(dy, ds, s, weight, bias, mean, rstd, rms, need_dweight, n
     dx = s.new_empty(s.shape)
     param = weight if weight is not None else bias
     cols = s.shape[-1]
-    pdtype = param.dtype if param is not None else s.dtype
+    pdtype = param.dtype if param is not None else dy.dtype
     dw = s.new_empty((cols,) if need_dweight else (0,), dtype=pdtype)
     db = s.new_empty((cols,) if need_dbias else (0,), dtype=pdtype)
     return dx, dw, db

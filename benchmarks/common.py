@@ -1,0 +1,536 @@
+"""What every benchmark shares: the case description, timing, rotating inputs,
+the copy ceiling measured in the same run, torch.compile of the eager baseline,
+and the results (JSON, a markdown table, a chart).
+
+A bench_<op>.py module only describes its cases (shapes, inputs, the fusedops
+and eager functions, the bytes the op must move); everything else is here.
+"""
+import datetime
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+MB = 1 << 20
+DIRECTIONS = ("fwd", "fwd+bwd")
+IMPLS = ("fusedops", "eager", "compile")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Input sets of one case together exceed this on a GPU: over 2x an H100's 50 MB
+# L2, so a timed call never finds its inputs left there by the previous one.
+ROTATE_BYTES = 128 * MB
+
+
+# ---------------------------------------------------------------- cases
+@dataclass
+class Inputs:
+    """One input set: the positional args of every impl and, for fwd+bwd, the
+    upstream gradients of its outputs (precomputed so they are not timed)."""
+    args: tuple
+    grads: Optional[tuple] = None
+    wrt: list = field(init=False)  # the args that get gradients
+
+    def __post_init__(self):
+        self.wrt = [a for a in self.args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    @property
+    def nbytes(self):
+        ts = [t for t in (*self.args, *(self.grads or ())) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class Case:
+    """One (op, shape, dtype, direction) to time under every impl.
+
+    make_inputs(grad) builds one input set; grad=True marks the differentiable
+    args requires_grad and adds upstream grads. impls maps "fusedops" and
+    "eager" to functions of the args returning the op's outputs; the runner adds
+    "compile" (torch.compile of eager). nbytes is the fewest bytes the op must
+    move in this direction (DESIGN.md, Kernels)."""
+    op: str
+    shape: tuple
+    dtype: torch.dtype
+    direction: str
+    nbytes: int
+    make_inputs: Callable[[bool], Inputs]
+    impls: dict
+
+    @property
+    def label(self):
+        return f"{self.op} {_shape(self)} {_dtype(self)} {self.direction}"
+
+
+def _shape(case):
+    return "x".join(map(str, case.shape))
+
+
+def _dtype(case):
+    return DTYPE_NAMES.get(case.dtype, str(case.dtype))
+
+
+# ---------------------------------------------------------------- timing
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_and_count(fn, device, budget_s, lo, hi):
+    """Warm up (at least 2 calls, about a quarter of the budget), then return
+    how many reps fill budget_s, clamped to [lo, hi]."""
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() - t0 < budget_s / 4:
+        fn()
+        _sync(device)
+        n += 1
+    per_call = (time.perf_counter() - t0) / n
+    return max(lo, min(hi, int(budget_s / per_call)))
+
+
+def _median_wall(fn, device):
+    reps = _warm_and_count(fn, device, budget_s=0.3, lo=5, hi=200)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _median_cuda_events(fn, device, budget_s=0.1):
+    reps = _warm_and_count(fn, device, budget_s=budget_s, lo=10, hi=1000)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for start, end in ev:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in ev) / 1e3
+
+
+def _do_bench():
+    """triton.testing.do_bench where it exists and takes return_mode (Triton
+    2.2 on); else None and we time with CUDA events ourselves."""
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001  (no triton, or one that fails to import)
+        return None
+    return do_bench if "return_mode" in inspect.signature(do_bench).parameters else None
+
+
+def timer_name(device):
+    if device.type != "cuda":
+        return "time.perf_counter median"
+    return "triton.testing.do_bench median" if _do_bench() else "CUDA events median"
+
+
+def time_fn(fn, device):
+    """Median seconds of one call of fn(): do_bench (which also flushes L2
+    between calls) or CUDA events on a GPU, wall clock on the CPU."""
+    if device.type == "cuda":
+        do_bench = _do_bench()
+        if do_bench is not None:
+            return do_bench(fn, return_mode="median") / 1e3
+        return _median_cuda_events(fn, device)
+    return _median_wall(fn, device)
+
+
+# A timed call that takes this much longer than the same work replayed as a
+# CUDA graph is measuring Python, autograd and launch overhead, not kernels: an
+# eager fwd+bwd of a 2^24-element norm is a dozen launches for ~0.1 ms of
+# H100 memory traffic, and do_bench's events see the host's issue time.
+HOST_BOUND = 1.25
+
+
+def graph_time(fn, device, calls=10):
+    """Median GPU-only seconds per call of fn(): `calls` calls captured in one
+    CUDA graph, replayed. None off CUDA or where capture fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # capture needs a warm-up off the default stream
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return _median_cuda_events(graph.replay, device, budget_s=0.05) / calls
+    except Exception:  # noqa: BLE001  (no number rather than no benchmark)
+        torch.cuda.synchronize(device)
+        return None
+
+
+# ---------------------------------------------------------------- inputs, ceiling
+def rotating(make_inputs, grad, device):
+    """Build enough input sets to overflow the L2 (ROTATE_BYTES on a GPU; two on
+    the CPU, where memory is the limit) and return (sets, next_set): next_set()
+    hands out the next set in turn, so each timed call reads cold inputs."""
+    sets = [make_inputs(grad)]
+    want = 2
+    if device.type == "cuda":
+        want = max(2, math.ceil(ROTATE_BYTES / max(sets[0].nbytes, 1)))
+    sets += [make_inputs(grad) for _ in range(want - 1)]
+    i = -1
+
+    def next_set():
+        nonlocal i
+        i = (i + 1) % len(sets)
+        return sets[i]
+    return sets, next_set
+
+
+def _ceiling_bytes(device):
+    """2 GiB on a GPU (the ANCHORS.md figure), halved until source, copy and
+    do_bench's 256 MB flush buffer fit in free memory with 1 GiB to spare."""
+    if device.type != "cuda":
+        return 256 * MB
+    free, _ = torch.cuda.mem_get_info(device)
+    nbytes = 2048 * MB
+    while nbytes > 256 * MB and 2 * nbytes + 1280 * MB > free:
+        nbytes //= 2
+    return nbytes
+
+
+def copy_ceiling(device):
+    """Device-to-device copy bandwidth in GB/s (bytes read + written): the most
+    a memory-bound op can hope for on this machine, measured in this run."""
+    nbytes = _ceiling_bytes(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device)
+    del src, dst
+    _free(device)
+    return {"GB/s": 2 * nbytes / seconds / 1e9, "buffer_bytes": nbytes, "ms": seconds * 1e3}
+
+
+def _free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def steady_host_allocator():
+    """Keep freed CPU tensors of up to 32 MiB in the heap (glibc only). By
+    default glibc may hand them back to the OS and page-fault them in again on
+    the next call, which made CPU timings swing 3x between runs: we were timing
+    the allocator, not the kernel. Tensors over 32 MiB are always mmap'd."""
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 * MB) and mallopt(M_TRIM_THRESHOLD, -1))
+
+
+# ---------------------------------------------------------------- torch.compile
+def compiled(fn):
+    """torch.compile(fn), default mode, static shapes. Where compile cannot
+    even be set up here (an unsupported Python, say), a stand-in that raises
+    the same error when called, so the case records n/a and the suite goes on.
+    Most failures (no C++ compiler, an inductor bug) only show at the first
+    call, which the caller makes outside timing and catches the same way."""
+    # A fresh dynamo cache per case: the sweep would otherwise pass the
+    # recompile limit (one compile per shape and grad mode) and dynamo would
+    # silently fall back to eager.
+    torch._dynamo.reset()
+    try:
+        return torch.compile(fn, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        error = _short_error(e)
+
+    def unavailable(*args):
+        raise RuntimeError(f"torch.compile unavailable: {error}")
+    return unavailable
+
+
+# ---------------------------------------------------------------- one case
+def _step(fn, direction):
+    """What one timed call does: the forward alone under no_grad, or the
+    forward plus torch.autograd.grad of every output (no .grad accumulation)."""
+    if direction == "fwd":
+        def step(inp):
+            with torch.no_grad():
+                return fn(*inp.args)
+    else:
+        def step(inp):
+            return torch.autograd.grad(fn(*inp.args), inp.wrt, inp.grads)
+    return step
+
+
+def _candidates(case, use_compile):
+    fns = dict(case.impls)
+    if use_compile:
+        fns["compile"] = compiled(case.impls["eager"])
+    return fns
+
+
+def _row(case, impl, **extra):
+    return {"op": case.op, "shape": _shape(case), "dtype": _dtype(case), "impl": impl,
+            "direction": case.direction, "ms": None, "GB/s": None, "frac_of_ceiling": None,
+            **extra}
+
+
+def _short_error(e):
+    # The first line is enough to tell why; inductor errors run to pages.
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+
+
+def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
+    """Warm fn on every set outside timing (this is where compile happens),
+    then time it on the rotating sets. Any failure becomes an n/a row."""
+    row = _row(case, impl)
+    step = _step(fn, case.direction)
+    call = lambda: step(next_set())  # noqa: E731
+    try:
+        t0 = time.perf_counter()
+        for _ in sets:
+            call()
+        _sync(device)
+        if impl == "compile":
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+        row["ms"] = time_fn(call, device) * 1e3
+        row["GB/s"] = case.nbytes / row["ms"] / 1e6
+        row["frac_of_ceiling"] = row["GB/s"] / ceiling_gbps
+        gpu = graph_time(call, device)
+        if gpu is not None:
+            row["gpu_ms"] = gpu * 1e3
+            row["host_bound"] = row["ms"] > HOST_BOUND * row["gpu_ms"]
+    except Exception as e:  # noqa: BLE001  (record it and go on to the next impl)
+        row["error"] = _short_error(e)
+    return row
+
+
+def run_case(case, device, ceiling_gbps, use_compile=True):
+    """Time every impl of one case; returns one result row per impl."""
+    torch.manual_seed(0)
+    impls = _candidates(case, use_compile)
+    try:
+        sets, next_set = rotating(case.make_inputs, case.direction == "fwd+bwd", device)
+    except Exception as e:  # noqa: BLE001  (out of memory, say: every impl is n/a)
+        _free(device)
+        return [_row(case, impl, error=_short_error(e)) for impl in impls]
+    rows = [_time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps)
+            for impl, fn in impls.items()]
+    del sets, next_set
+    _free(device)
+    return rows
+
+
+def progress_start(i, n, case):
+    """'[3/20] add+LayerNorm 16384x4096 bf16 fwd ... ' on stderr before the case
+    runs, so a hang or a crash names its case; progress_end finishes the line."""
+    print(f"[{i}/{n}] {case.label} ... ", end="", file=sys.stderr, flush=True)
+
+
+def progress_end(rows):
+    parts = [f"{r['impl']} " + (f"{r['GB/s']:.0f} GB/s" if r["GB/s"] else "n/a") for r in rows]
+    notes = [f" (compiled in {r['compile_s']} s)" for r in rows if "compile_s" in r]
+    print(", ".join(parts) + "".join(notes), file=sys.stderr, flush=True)
+    for r in rows:
+        if r.get("error"):
+            print(f"    {r['impl']}: {r['error']}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- metadata
+def _cmd(*argv):
+    """stdout of a command run from the repository root, or None."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _device_info(device):
+    """What the numbers depend on: the GPU (or CPU) and how much of it we had."""
+    info = {"cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        l2 = getattr(p, "L2_cache_size", None)  # not in every torch
+        info.update(name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                    memory_GiB=round(p.total_memory / 2**30, 1),
+                    l2_MB=None if l2 is None else round(l2 / 1e6, 1),
+                    driver=_cmd("nvidia-smi", "--query-gpu=driver_version",
+                                "--format=csv,noheader"))
+    else:
+        info["name"] = info["cpu"]
+    return info
+
+
+def metadata(device, ceiling):
+    import fusedops
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    info = _device_info(device)
+    dirty = _cmd("git", "status", "--porcelain", "--untracked-files=no")
+    return {
+        "device": info["name"],
+        "device_type": device.type,
+        "device_info": info,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "fusedops": fusedops.__version__,
+        "build_info": fusedops.build_info(),
+        # A copy of the tree without .git (a remote GPU box) can be told its commit.
+        "git_commit": (_cmd("git", "rev-parse", "HEAD")
+                       or os.environ.get("FUSEDOPS_COMMIT", "unknown")),
+        "git_dirty": None if dirty is None else bool(dirty),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timer": timer_name(device),
+        "ceiling": ceiling,
+    }
+
+
+# ---------------------------------------------------------------- reports
+def write_json(out_dir, meta, rows, complete):
+    """Rewritten after every case, so a run cut off by a time limit still
+    leaves what it measured."""
+    path = Path(out_dir) / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "complete": complete, "results": rows}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def _by_impl(rows):
+    """{(op, shape, dtype, direction): {impl: row}}, in first-seen order."""
+    groups = {}
+    for r in rows:
+        key = (r["op"], r["shape"], r["dtype"], r["direction"])
+        groups.setdefault(key, {})[r["impl"]] = r
+    return groups
+
+
+def _fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def _ratio(a, b):
+    return None if not (a and b) else a / b
+
+
+def _gbps(row):
+    # '*' marks a host-bound number (see HOST_BOUND).
+    gb = row.get("GB/s")
+    return "n/a" if gb is None else f"{gb:.0f}" + ("*" if row.get("host_bound") else "")
+
+
+def _table_row(key, g):
+    r = {impl: g.get(impl, {}) for impl in IMPLS}
+    gb = {impl: r[impl].get("GB/s") for impl in IMPLS}
+    return [*key, _gbps(r["fusedops"]), _fmt(r["fusedops"].get("frac_of_ceiling"), ".2f"),
+            _gbps(r["eager"]), _gbps(r["compile"]),
+            _fmt(_ratio(gb["fusedops"], gb["eager"]), ".2f"),
+            _fmt(_ratio(gb["fusedops"], gb["compile"]), ".2f")]
+
+
+def _markdown(head, body, n_left):
+    """A markdown table with aligned columns: the first n_left left-aligned."""
+    width = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    right = [i >= n_left for i in range(len(head))]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if r else c.ljust(w)
+                                 for c, w, r in zip(cells, width, right)) + " |"
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2))
+                          for w, r in zip(width, right)) + "|"
+    return "\n".join([line(head), rule] + [line(b) for b in body])
+
+
+def format_table(meta, rows):
+    """One row per (op, shape, dtype, direction); GB/s counts the fewest bytes
+    the op must move, frac is fusedops over the copy ceiling."""
+    head = ["op", "shape", "dtype", "dir", "fusedops", "frac", "eager", "compile",
+            "vs eager", "vs compile"]
+    body = [_table_row(key, g) for key, g in _by_impl(rows).items()]
+    c = meta["ceiling"]
+    title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
+             f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
+             f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write). "
+             "GB/s columns; 'vs' = fusedops speedup.\n")
+    if any(r.get("host_bound") for r in rows):
+        title += (f"* host-bound: over {HOST_BOUND}x the time of the same calls replayed as a "
+                  "CUDA graph (gpu_ms in results.json).\n")
+    return title + _markdown(head, body, n_left=4) + "\n"
+
+
+def write_plot(out_dir, meta, rows):
+    """Fraction of the copy ceiling per case for the three impls, one panel per
+    direction. Returns the path, or None (with a message) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart (pip install matplotlib)", file=sys.stderr)
+        return None
+    groups = _by_impl(rows)
+    n = max(sum(k[3] == d for k in groups) for d in DIRECTIONS)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * n + 2), 9), squeeze=False)
+    for ax, direction in zip(axes[:, 0], DIRECTIONS):
+        _plot_panel(ax, groups, [k for k in groups if k[3] == direction], direction)
+    # Legend and title above the panels, where they cannot hide a bar.
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper right", ncol=3, fontsize=8)
+    fig.suptitle(f"{meta['device']}: copy ceiling {meta['ceiling']['GB/s']:.0f} GB/s; "
+                 f"torch {meta['torch']}", fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path = Path(out_dir) / "results.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_panel(ax, groups, keys, direction):
+    several_dtypes = len({k[2] for k in groups}) > 1
+    # Stacked labels while they fit side by side, one rotated line past that.
+    sep, rot = ("\n", 0) if len(keys) <= 10 else (" ", 90)
+    labels = [sep.join([k[0].replace("add+", ""), k[1]] + ([k[2]] if several_dtypes else []))
+              for k in keys]
+    fracs = {impl: [groups[k].get(impl, {}).get("frac_of_ceiling") for k in keys]
+             for impl in IMPLS}
+    for j, impl in enumerate(IMPLS):
+        if not any(impl in groups[k] for k in keys):
+            continue  # not run at all (--no-compile): no bars, no n/a marks
+        xs = [i + (j - 1) * 0.27 for i in range(len(keys))]
+        ax.bar(xs, [f or 0 for f in fracs[impl]], 0.27, label=impl)
+        for x, f in zip(xs, fracs[impl]):
+            if f is None:  # a failed or skipped impl: say so rather than draw a zero
+                ax.text(x, 0.01, "n/a", rotation=90, fontsize=6, ha="center", va="bottom")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    top = max([1.0] + [f for fr in fracs.values() for f in fr if f])
+    ax.set_ylim(0, top * 1.08)  # headroom so the ceiling line is not the frame
+    ax.set_xticks(range(len(keys)), labels, rotation=rot, fontsize=8)
+    ax.set_ylabel("fraction of copy ceiling")
+    ax.set_title(direction, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)

@@ -1,0 +1,72 @@
+"""Shared fixtures and helpers of the fusedops tests: the devices to run on,
+per-test seeding, random inputs and output poisoning."""
+import contextlib
+import zlib
+
+import pytest
+import torch
+import torch.utils.deterministic
+
+import fusedops  # noqa: F401  (registers torch.ops.fusedops.*)
+
+HAS_CUDA = torch.cuda.is_available()
+
+# The devices present: CPU always, CUDA when a GPU is.
+devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request):
+    """Every test taking `device` runs on the CPU and on CUDA; the CUDA cases
+    show up as skipped where no GPU is present."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Seed from the test's node id: each parametrised case gets its own random
+    inputs, and rerunning one case (by its node id or -k) gives the same ones."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def randn(shape, dtype, device):
+    """Standard normals drawn in fp32 and rounded to dtype (never zeros)."""
+    return torch.randn(shape, device=device).to(dtype)
+
+
+@contextlib.contextmanager
+def poisoned(device):
+    """Tensors allocated inside the block start out as NaN, so that an output
+    element a kernel forgets to write shows up as NaN.
+
+    Two mechanisms:
+    1. a large NaN-filled block is allocated and freed on the device right
+       before, so that the CUDA caching allocator hands that memory out again
+       (on the CPU, malloc gives no such guarantee: large blocks go back to the
+       system), and
+    2. torch's deterministic mode with fill_uninitialized_memory, under which
+       every torch.empty / new_empty (the extension allocates its outputs
+       through these) fills floating-point tensors with NaN, on any device.
+       warn_only: other torch ops that have no deterministic variant warn
+       instead of raising."""
+    det = torch.utils.deterministic
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    big = (256 << 20) if torch.device(device).type == "cuda" else (16 << 20)
+    # The large pool, then whole 2 MiB small-pool segments (CUDA). All-ones bits
+    # are a NaN in every floating dtype.
+    blocks = [torch.empty(n, dtype=torch.uint8, device=device).fill_(0xFF) for n in (big, 1 << 20, 1 << 20)]
+    del blocks
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        det.fill_uninitialized_memory = saved[2]
+
+
+def maybe_poisoned(device, on):
+    return poisoned(device) if on else contextlib.nullcontext()

@@ -1,0 +1,737 @@
+"""Tests of the fused residual-add + LayerNorm / RMSNorm op (csrc/norm):
+torch.ops.fusedops.add_norm_fwd / add_norm_bwd, fusedops.functional and
+fusedops.nn.LayerNorm / RMSNorm.
+
+Every output and gradient is checked against fusedops.reference.add_norm run in
+float64 by the 2x rule (tests/tolerances.py), with reference.add_norm run on the
+low-precision inputs on the same device as the yardstick."""
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fusedops
+from fusedops import functional as FF, reference
+from conftest import maybe_poisoned, poisoned, randn, requires_cuda
+from tolerances import assert_close_2x, default_scale
+
+ops = torch.ops.fusedops
+LOWP = [torch.float32, torch.float16, torch.bfloat16]
+OTHER_HALF = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, torch.float32: torch.float16}
+NAN = float("nan")
+
+
+def dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- cases
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration of the op.
+
+    residual: "none"; "x" (in x's dtype); "fp32"; or "none_fp32" (no residual and
+    residual_in_fp32=True: s is x widened to fp32).
+    param: the dtype of weight and bias: "x" (x's), "fp32", or "other" (the other
+    16-bit dtype, which the public functions widen to fp32; the raw op rejects it)."""
+    shape: tuple
+    dtype: torch.dtype = torch.float32
+    rms: bool = False
+    residual: str = "x"
+    weight: bool = True
+    bias: bool = True
+    param: str = "x"
+
+    def __post_init__(self):
+        assert not (self.rms and self.bias), "RMSNorm has no bias"
+
+    def __str__(self):
+        params = "".join(n for n, on in (("w", self.weight), ("b", self.bias)) if on) or "noparams"
+        if self.weight or self.bias:
+            params += "_" + self.param
+        return (f"{'x'.join(map(str, self.shape))}-{dtype_id(self.dtype)}-"
+                f"{'rms' if self.rms else 'ln'}-res_{self.residual}-{params}")
+
+    @property
+    def eps(self):
+        return 1e-6 if self.rms else 1e-5
+
+    @property
+    def residual_in_fp32(self):
+        return self.residual == "none_fp32"
+
+    @property
+    def s_dtype(self):
+        return torch.float32 if self.residual in ("fp32", "none_fp32") else self.dtype
+
+    @property
+    def stores_s(self):
+        """Whether the raw op returns s, or an empty placeholder because s is x."""
+        return self.residual in ("x", "fp32") or self.s_dtype != self.dtype
+
+    @property
+    def param_dtype(self):
+        return {"x": self.dtype, "fp32": torch.float32, "other": OTHER_HALF[self.dtype]}[self.param]
+
+    @property
+    def rows(self):
+        return math.prod(self.shape[:-1])
+
+
+def ln(shape, dtype=torch.float32, **kw):
+    return Case(tuple(shape), dtype, rms=False, **kw)
+
+
+def rms(shape, dtype=torch.float32, **kw):
+    return Case(tuple(shape), dtype, rms=True, bias=False, **kw)
+
+
+def ids(cases):
+    return [str(c) for c in cases]
+
+
+RESIDUALS = ["none", "x", "fp32", "none_fp32"]
+NORMS = [(False, True, True), (False, True, False), (False, False, True), (False, False, False),
+         (True, True, False), (True, False, False)]  # (rms, weight, bias)
+
+
+def dtype_cases(shape):
+    """Every combination of x dtype, residual mode, weight/bias presence and
+    parameter dtype, for LayerNorm and RMSNorm."""
+    for dtype, res, (rms_, w, b) in itertools.product(LOWP, RESIDUALS, NORMS):
+        params = ["x"] if dtype == torch.float32 or not (w or b) else ["x", "fp32", "other"]
+        for p in params:
+            yield Case(shape, dtype, rms_, res, w, b, p)
+
+
+# Hidden sizes 1, 7, 1000, 4097, 65536; rows 0, 1, 3 and thousands; x of rank 1
+# to 4 (leading dims of rank 0 to 3). 65536 only with few rows and thousands of
+# rows only with narrow rows, to keep the CPU run short.
+SHAPES = [(7,), (0, 7), (2, 0, 1000), (1, 1), (3, 1), (1, 7), (3, 7), (3, 1000), (2, 3, 1000),
+          (1, 3, 1, 4097), (3, 4097), (1, 65536), (3, 65536), (4000, 7), (2, 1500, 1), (2, 2, 1000, 7)]
+
+
+def shape_cases():
+    for shape, dtype in itertools.product(SHAPES, LOWP):
+        yield ln(shape, dtype)  # residual and parameters in x's dtype
+        yield rms(shape, dtype, residual="fp32", param="fp32")
+
+
+# --------------------------------------------------------------------------- running
+
+ARGS = ("x", "residual", "weight", "bias")
+RESULTS = ("y", "s", "dx", "dresidual", "dweight", "dbias")
+
+
+def make_inputs(c, device):
+    """Random inputs of case c, and upstream gradients gy (for y) and gs (for s)."""
+    h = c.shape[-1]
+    return dict(
+        x=randn(c.shape, c.dtype, device),
+        residual=randn(c.shape, c.s_dtype, device) if c.residual in ("x", "fp32") else None,
+        weight=randn(h, c.param_dtype, device) if c.weight else None,
+        bias=randn(h, c.param_dtype, device) if c.bias else None,
+        gy=randn(c.shape, c.dtype, device),
+        gs=randn(c.shape, c.s_dtype, device),
+    )
+
+
+def fused(x, residual, weight, bias, eps, rms, residual_in_fp32):
+    """fusedops.functional with reference.add_norm's signature."""
+    if rms:
+        assert bias is None
+        return FF.fused_add_rms_norm(x, residual, weight, eps, residual_in_fp32)
+    return FF.fused_add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32)
+
+
+def forward_backward(c, inp, impl=fused, to=None, poison=False):
+    """Run impl (fused, or reference.add_norm) forward and backward on fresh leaves
+    made from inp (cast to `to` if given), backpropagating gy into y and gs into
+    s (s feeds the next layer; where s is x itself, gs goes straight to x).
+    Returns {name: tensor or None} for RESULTS. poison: run the forward and the
+    backward each under conftest.poisoned."""
+    leaves = {k: None if inp[k] is None else inp[k].detach().to(to or inp[k].dtype).requires_grad_()
+              for k in ARGS}
+    # residual_in_fp32 widens x to fp32; in float64 there is nothing to widen (s = x).
+    rif = c.residual_in_fp32 and to is None
+    device = inp["x"].device
+    with maybe_poisoned(device, poison):
+        y, s = impl(*(leaves[k] for k in ARGS), c.eps, c.rms, rif)
+    with maybe_poisoned(device, poison):
+        torch.autograd.backward([y, s], [inp["gy"].to(y.dtype), inp["gs"].to(s.dtype)])
+    got = {"y": y, "s": s}
+    got.update({"d" + k: None if t is None else t.grad for k, t in leaves.items()})
+    return got
+
+
+def check_against_reference(c, inp, got):
+    """Every result in `got` by the 2x rule against the float64 reference."""
+    eager = forward_backward(c, inp, reference.add_norm)
+    ref = forward_backward(c, inp, reference.add_norm, to=torch.float64)
+    for name in RESULTS:
+        if ref[name] is None:
+            assert got[name] is None, f"{c} {name}: expected no gradient"
+            continue
+        assert got[name] is not None, f"{c} {name}: missing"
+        scale = None
+        if name in ("dweight", "dbias"):
+            # Sums over rows of O(1) terms: their partial sums reach ~sqrt(rows)
+            # whatever the final value, and a sum taken in another order than
+            # eager's rounds at that size.
+            scale = max(default_scale(ref[name]), math.sqrt(c.rows))
+        assert_close_2x(got[name], ref[name], eager[name], f"{c} {name}", scale=scale)
+
+
+def bits(t):
+    """t's bits as integers, for bitwise comparison (NaN payloads included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_results(a, b, what):
+    for name in RESULTS:
+        if a[name] is None or b[name] is None:
+            assert a[name] is None and b[name] is None, f"{what}: {name} present in one run only"
+            continue
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), f"{what}: {name} dtype/shape"
+        assert torch.equal(bits(a[name]), bits(b[name])), (
+            f"{what}: {name} differs, max abs diff "
+            f"{(a[name].double() - b[name].double()).abs().max().item():.3g}")
+
+
+# --------------------------------------------------------------------------- correctness
+
+DTYPE_CASES = list(dtype_cases((2, 9, 4097)))
+SHAPE_CASES = list(shape_cases())
+
+
+@pytest.mark.parametrize("c", DTYPE_CASES, ids=ids(DTYPE_CASES))
+def test_dtypes(device, c):
+    inp = make_inputs(c, device)
+    check_against_reference(c, inp, forward_backward(c, inp))
+
+
+@pytest.mark.parametrize("c", SHAPE_CASES, ids=ids(SHAPE_CASES))
+def test_shapes(device, c):
+    inp = make_inputs(c, device)
+    check_against_reference(c, inp, forward_backward(c, inp))
+
+
+def _stats64(s, eps, rms):
+    """Per-row (mean, rstd) of s, computed in s's dtype ([0] mean for RMSNorm)."""
+    s = s.reshape(-1, s.shape[-1])
+    mean = s.mean(-1)
+    var = (s * s).mean(-1) if rms else (s - mean[:, None]).pow(2).mean(-1)
+    return (s.new_zeros(0) if rms else mean), (var + eps).rsqrt()
+
+
+STAT_CASES = [ln((3, 1000), torch.bfloat16), ln((3, 1000), torch.bfloat16, residual="fp32"),
+              rms((3, 1000), torch.float16, residual="none"), rms((5, 4097), residual="none_fp32"),
+              ln((2, 3, 7), torch.float16, residual="none_fp32", weight=False, bias=False),
+              ln((0, 7)), rms((1, 1))]
+
+
+@pytest.mark.parametrize("c", STAT_CASES, ids=ids(STAT_CASES))
+def test_raw_forward_outputs(device, c):
+    """add_norm_fwd's four outputs: y, s (empty when s is x), and the fp32 per-row
+    mean (empty for RMSNorm) and rstd saved for the backward, computed from s as
+    stored."""
+    inp = make_inputs(c, device)
+    with poisoned(device):
+        y, s, mean, rstd = ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"],
+                                            c.eps, c.rms, c.residual_in_fp32)
+    assert y.shape == inp["x"].shape and y.dtype == c.dtype and y.is_contiguous()
+    if c.stores_s:
+        assert s.shape == inp["x"].shape and s.dtype == c.s_dtype
+    else:
+        assert s.shape == (0,) and s.dtype == c.dtype
+        s = inp["x"]
+    assert mean.dtype == rstd.dtype == torch.float32
+    assert mean.shape == ((0,) if c.rms else (c.rows,)) and rstd.shape == (c.rows,)
+    ref, eager = _stats64(s.double(), c.eps, c.rms), _stats64(s.float(), c.eps, c.rms)
+    for name, got, r, e in zip(("mean", "rstd"), (mean, rstd), ref, eager):
+        assert_close_2x(got, r, e, f"{c} {name}")
+
+
+@pytest.mark.parametrize("rms_", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_norm_functions(device, rms_, affine):
+    """fusedops.functional.layer_norm / rms_norm: the norm alone, no residual."""
+    x = randn((2, 5, 300), torch.bfloat16, device)
+    w = randn(300, torch.bfloat16, device) if affine else None
+    b = randn(300, torch.bfloat16, device) if affine and not rms_ else None
+    eps = 1e-6 if rms_ else 1e-5
+    got = FF.rms_norm(x, w, eps) if rms_ else FF.layer_norm(x, w, b, eps)
+    want = reference.add_norm(*(None if t is None else t.double() for t in (x, None, w, b)), eps, rms_)[0]
+    eager = reference.add_norm(x, None, w, b, eps, rms_)[0]
+    assert_close_2x(got, want, eager, "y")
+
+
+# --------------------------------------------------------------------------- layouts
+
+def relayout(t, kind):
+    """(contiguous, non-contiguous) tensors holding the same values, the second
+    laid out as `kind`. Padding that a misreading kernel could pick up is NaN."""
+    def padded(shape, index):
+        wide = torch.full(shape, NAN, dtype=t.dtype, device=t.device)
+        wide[index] = t
+        return wide[index]
+
+    if kind == "expand":  # one row broadcast to every row (row stride 0)
+        v = t.reshape(-1, t.shape[-1])[0].expand(t.shape)
+        return v.contiguous(), v
+    if kind == "transpose":  # last dim not unit-stride: must be copied
+        return t, t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "permute":  # leading dims swapped: rows not one stride apart
+        return t, t.transpose(0, 1).contiguous().transpose(0, 1)
+    if kind in ("slice", "slice_misaligned"):  # a slice along the last dim of a wider tensor
+        start, extra = (8, 16) if kind == "slice" else (1, 3)  # 16-byte aligned rows, or not
+        return t, padded((*t.shape[:-1], t.shape[-1] + extra), (..., slice(start, start + t.shape[-1])))
+    if kind == "rowstep":  # every other row of a taller tensor
+        return t, padded((2 * t.shape[0], *t.shape[1:]), slice(None, None, 2))
+    if kind == "stride2":  # a 1-D parameter with stride 2
+        return t, padded((2 * t.shape[0],), slice(None, None, 2))
+    raise ValueError(kind)
+
+
+LAYOUTS = [("x", "transpose"), ("x", "permute"), ("x", "slice"), ("x", "slice_misaligned"),
+           ("x", "rowstep"), ("residual", "slice"), ("residual", "slice_misaligned"),
+           ("residual", "transpose"), ("residual", "expand"), ("residual", "rowstep"),
+           ("weight", "stride2"), ("bias", "stride2"), ("gy", "slice"), ("gy", "slice_misaligned"),
+           ("gy", "transpose"), ("gs", "slice_misaligned"), ("gs", "expand")]
+LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"),
+                rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32")]
+LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
+                 if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
+# Layouts whose results may differ in rounding from the contiguous ones on CUDA:
+# with rows not 16-byte aligned the CUDA kernels take their scalar variant
+# (norm_cuda.cu, fwd_loop / bwd_loop), which sums in another order. Every other
+# layout is read in place on the same path, or copied, and must give bitwise the
+# contiguous results.
+NOT_BITWISE_ON_CUDA = {"slice_misaligned"}
+
+
+@pytest.mark.parametrize("c,arg,kind", LAYOUT_PARAMS, ids=[f"{c}-{a}-{k}" for c, a, k in LAYOUT_PARAMS])
+def test_noncontiguous(device, c, arg, kind):
+    """Non-contiguous inputs (and upstream gradients) are read correctly: the
+    results equal bitwise those of contiguous inputs holding the same values
+    (see NOT_BITWISE_ON_CUDA), and pass the 2x rule."""
+    inp = make_inputs(c, device)
+    contiguous, strided = relayout(inp[arg], kind)
+    assert not strided.is_contiguous()
+    want = forward_backward(c, {**inp, arg: contiguous})
+    got = forward_backward(c, {**inp, arg: strided})
+    if kind not in NOT_BITWISE_ON_CUDA or device == "cpu":
+        assert_same_results(got, want, f"{arg} as {kind}")
+    check_against_reference(c, {**inp, arg: contiguous}, got)
+
+
+# --------------------------------------------------------------------------- poisoned outputs
+
+def test_poison_fills_allocations(device):
+    """conftest.poisoned works: memory allocated inside it, the way the extension
+    allocates its outputs (new_empty), reads as NaN."""
+    like = torch.ones(3, device=device)
+    with poisoned(device):
+        made = [like.new_empty((5, 7), dtype=dt) for dt in LOWP] + [torch.empty(1 << 20, device=device)]
+    for t in made:
+        assert t.isnan().all(), t.dtype
+
+
+POISON_CASES = [ln((3, 1000), torch.bfloat16), ln((3, 4097), torch.float16, residual="none_fp32"),
+                ln((5, 7), residual="none"), ln((3, 1), torch.bfloat16, param="fp32"),
+                ln((2, 3, 7), bias=False), ln((3, 7), weight=False), ln((0, 7)),
+                ln((0, 4097), torch.bfloat16, residual="fp32", param="fp32"),
+                rms((3, 1000), torch.bfloat16, residual="fp32"), rms((1, 65536), torch.float16),
+                rms((4000, 7), residual="none"), rms((3, 7), torch.bfloat16, residual="none_fp32")]
+
+
+@pytest.mark.parametrize("c", POISON_CASES, ids=ids(POISON_CASES))
+def test_poisoned_outputs(device, c):
+    """Outputs allocated from NaN-filled memory are fully written: finite (the
+    inputs are) and correct."""
+    inp = make_inputs(c, device)
+    got = forward_backward(c, inp, poison=True)
+    for name, t in got.items():
+        assert t is None or torch.isfinite(t).all(), f"{c} {name} has non-finite values"
+    check_against_reference(c, inp, got)
+
+
+# --------------------------------------------------------------------------- inputs unchanged
+
+def call_unchanged(op, *args):
+    """op(*args), asserting that every tensor argument's whole storage (padding
+    of a view included) is bitwise the same afterwards."""
+    tensors = {i: a if a._base is None else a._base for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    before = {i: bits(t).clone() for i, t in tensors.items()}
+    try:
+        return op(*args)
+    finally:
+        for i, t in tensors.items():
+            assert torch.equal(bits(t), before[i]), f"{op}: argument {i} was modified"
+
+
+UNCHANGED_CASES = [ln((3, 1000), torch.bfloat16), ln((3, 1000), torch.float16, residual="fp32", param="fp32"),
+                   ln((3, 7), residual="none"), ln((3, 7), torch.bfloat16, residual="none_fp32"),
+                   rms((3, 4097), torch.bfloat16), rms((2, 3, 7), residual="fp32")]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "sliced"])
+@pytest.mark.parametrize("c", UNCHANGED_CASES, ids=ids(UNCHANGED_CASES))
+def test_inputs_unchanged(device, c, strided):
+    """add_norm_fwd and add_norm_bwd leave every input bitwise unchanged."""
+    inp = make_inputs(c, device)
+    if strided:
+        inp = {k: None if t is None else relayout(t, "stride2" if t.dim() == 1 else "slice")[1]
+               for k, t in inp.items()}
+    x, r, w, b = (inp[k] for k in ARGS)
+    y, s, mean, rstd = call_unchanged(ops.add_norm_fwd, x, r, w, b, c.eps, c.rms, c.residual_in_fp32)
+    ds = inp["gs"] if c.stores_s else None
+    call_unchanged(ops.add_norm_bwd, inp["gy"], ds, s if c.stores_s else x, w, b, mean, rstd, c.rms,
+                   w is not None, b is not None)
+
+
+# --------------------------------------------------------------------------- determinism
+
+DETERMINISM_CASES = [ln((4000, 7), torch.bfloat16), ln((64, 4097), residual="fp32", param="fp32"),
+                     rms((3, 65536), torch.float16), rms((2, 1000, 7), torch.bfloat16, residual="none_fp32")]
+
+
+@pytest.mark.parametrize("c", DETERMINISM_CASES, ids=ids(DETERMINISM_CASES))
+def test_deterministic(device, c):
+    """Two runs of forward and backward on the same inputs agree bitwise."""
+    inp = make_inputs(c, device)
+    assert_same_results(forward_backward(c, inp), forward_backward(c, inp), "second run")
+
+
+# --------------------------------------------------------------------------- bad input
+
+def fwd_args(device, dtype=torch.float32, shape=(3, 8)):
+    """Valid add_norm_fwd arguments; each bad-input case replaces some."""
+    return dict(x=randn(shape, dtype, device), residual=randn(shape, dtype, device),
+                weight=randn(shape[-1], dtype, device), bias=randn(shape[-1], dtype, device),
+                eps=1e-5, rms=False, residual_in_fp32=False)
+
+
+def raises_unchanged(fn, args, match):
+    """fn(**args) raises a RuntimeError matching `match` and modifies no argument."""
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(RuntimeError, match=match):
+        fn(**args)
+    for k, v in before.items():
+        assert torch.equal(bits(args[k]), bits(v)), f"{k} was modified"
+
+
+FWD = r"fusedops\.add_norm_fwd: "
+NO_EXTRAS = dict(residual=None, weight=None, bias=None)
+# (id, arguments that replace valid ones, expected message: op, argument, given, expected)
+BAD_FWD = [
+    ("weight_size", lambda d: dict(weight=randn(7, torch.float32, d)),
+     FWD + r"weight has shape \[7\], expected \[8\]"),
+    ("weight_2d", lambda d: dict(weight=randn((1, 8), torch.float32, d)),
+     FWD + r"weight has shape \[1, 8\], expected \[8\]"),
+    ("bias_size", lambda d: dict(bias=randn(9, torch.float32, d)),
+     FWD + r"bias has shape \[9\], expected \[8\]"),
+    ("residual_shape", lambda d: dict(residual=randn((3, 9), torch.float32, d)),
+     FWD + r"residual has shape \[3, 9\], expected the shape of x \[3, 8\]"),
+    ("residual_broadcastable", lambda d: dict(residual=randn(8, torch.float32, d)),
+     FWD + r"residual has shape \[8\], expected the shape of x \[3, 8\]"),
+    ("x_float64", lambda d: dict(x=randn((3, 8), torch.float64, d), **NO_EXTRAS),
+     FWD + r"x has dtype float64, expected float32, float16 or bfloat16"),
+    ("x_int64", lambda d: dict(x=torch.randint(-5, 5, (3, 8), device=d), **NO_EXTRAS),
+     FWD + r"x has dtype int64, expected float32, float16 or bfloat16"),
+    ("x_int32", lambda d: dict(x=torch.randint(-5, 5, (3, 8), dtype=torch.int32, device=d), **NO_EXTRAS),
+     FWD + r"x has dtype int32, expected float32, float16 or bfloat16"),
+    ("residual_float64", lambda d: dict(residual=randn((3, 8), torch.float64, d)),
+     FWD + r"residual has dtype float64, expected the dtype of x or float32"),
+    ("residual_float16_for_bfloat16_x", lambda d: dict(x=randn((3, 8), torch.bfloat16, d),
+                                                       residual=randn((3, 8), torch.float16, d)),
+     FWD + r"residual has dtype float16, expected the dtype of x or float32"),
+    ("weight_float64", lambda d: dict(weight=randn(8, torch.float64, d)),
+     FWD + r"weight has dtype float64, expected the dtype of x or float32"),
+    ("bias_int32", lambda d: dict(bias=torch.ones(8, dtype=torch.int32, device=d)),
+     FWD + r"bias has dtype int32, expected the dtype of x or float32"),
+    ("bias_dtype_unlike_weight", lambda d: dict(x=randn((3, 8), torch.bfloat16, d), residual=None,
+                                                weight=randn(8, torch.bfloat16, d)),
+     FWD + r"bias has dtype float32, expected the dtype of weight \(bfloat16\)"),
+    ("bias_with_rms", lambda d: dict(rms=True),
+     FWD + r"bias was given, expected none for RMSNorm \(rms=True\)"),
+    ("x_0dim", lambda d: dict(x=randn((), torch.float32, d), **NO_EXTRAS),
+     FWD + r"x has shape \[\], expected at least one dimension"),
+]
+
+
+@pytest.mark.parametrize("over,match", [b[1:] for b in BAD_FWD], ids=[b[0] for b in BAD_FWD])
+def test_bad_input_fwd(device, over, match):
+    raises_unchanged(ops.add_norm_fwd, {**fwd_args(device), **over(device)}, match)
+
+
+# Cases the public functions do not pass on: they widen a parameter of another
+# dtype to fp32 (fusedops.functional._param), and fused_add_rms_norm takes no bias.
+NOT_FUNCTIONAL = {"weight_float64", "bias_int32", "bias_with_rms"}
+BAD_FUNCTIONAL = [b for b in BAD_FWD if b[0] not in NOT_FUNCTIONAL]
+
+
+def _fused_add_layer_norm(x, residual, weight, bias, eps, rms, residual_in_fp32):
+    return FF.fused_add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32)
+
+
+@pytest.mark.parametrize("over,match", [b[1:] for b in BAD_FUNCTIONAL], ids=[b[0] for b in BAD_FUNCTIONAL])
+def test_bad_input_functional(device, over, match):
+    """fused_add_layer_norm passes bad input on to the op's checks."""
+    raises_unchanged(_fused_add_layer_norm, {**fwd_args(device), **over(device)}, match)
+
+
+@requires_cuda
+@pytest.mark.parametrize("arg", ["residual", "weight", "bias"])
+@pytest.mark.parametrize("x_device", ["cuda", "cpu"])
+def test_bad_input_mixed_devices(x_device, arg):
+    args = fwd_args(x_device)
+    other = "cpu" if x_device == "cuda" else "cuda"
+    args[arg] = args[arg].to(other)
+    name = {"cuda": "cuda:0", "cpu": "cpu"}
+    raises_unchanged(ops.add_norm_fwd, args, FWD + f"{arg} is on {name[other]} but x is on {name[x_device]}; "
+                                                   "all tensors must be on one device")
+
+
+def bwd_args(device):
+    """Valid add_norm_bwd arguments (from a forward with residual, weight, bias)."""
+    a = fwd_args(device)
+    y, s, mean, rstd = ops.add_norm_fwd(**a)
+    return dict(dy=randn((3, 8), torch.float32, device), ds=randn((3, 8), torch.float32, device), s=s,
+                weight=a["weight"], bias=a["bias"], mean=mean, rstd=rstd, rms=False,
+                need_dweight=True, need_dbias=True)
+
+
+BWD = r"fusedops\.add_norm_bwd: "
+BAD_BWD = [
+    ("dy_shape", lambda d: dict(dy=randn((3, 9), torch.float32, d)),
+     BWD + r"dy has shape \[3, 9\], expected the shape of s \[3, 8\]"),
+    ("dy_float64", lambda d: dict(dy=randn((3, 8), torch.float64, d)),
+     BWD + r"dy has dtype float64, expected float32, float16 or bfloat16"),
+    ("ds_dtype", lambda d: dict(ds=randn((3, 8), torch.bfloat16, d)),
+     BWD + r"ds has dtype bfloat16, expected float32"),
+    ("mean_shape", lambda d: dict(mean=torch.zeros(2, device=d)),
+     BWD + r"mean has shape \[2\], expected a contiguous \[3\]"),
+    ("rstd_dtype", lambda d: dict(rstd=torch.ones(3, dtype=torch.float64, device=d)),
+     BWD + r"rstd has dtype float64, expected float32"),
+    ("dweight_without_weight", lambda d: dict(weight=None),
+     BWD + r"need_dweight=True but weight is None"),
+    ("weight_size", lambda d: dict(weight=randn(7, torch.float32, d)),
+     BWD + r"weight has shape \[7\], expected \[8\]"),
+]
+
+
+@pytest.mark.parametrize("over,match", [b[1:] for b in BAD_BWD], ids=[b[0] for b in BAD_BWD])
+def test_bad_input_bwd(device, over, match):
+    raises_unchanged(ops.add_norm_bwd, {**bwd_args(device), **over(device)}, match)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_bad_input_module_shape(device, name):
+    norm = getattr(fusedops.nn, name)((3, 8)).to(device)
+    with pytest.raises(RuntimeError, match=rf"fusedops\.nn\.{name}: input of shape \(4, 8, 3\) does not "
+                                           r"end with normalized_shape \(3, 8\)"):
+        norm(randn((4, 8, 3), torch.float32, device))
+
+
+# --------------------------------------------------------------------------- opcheck
+
+OPCHECK_CASES = [ln((3, 7)), ln((3, 7), torch.bfloat16, residual="fp32", param="fp32"),
+                 ln((2, 3, 7), torch.float16, residual="none"), ln((3, 7), torch.bfloat16, residual="none_fp32"),
+                 ln((3, 7), weight=False), ln((3, 7), bias=False), ln((3, 7), weight=False, bias=False),
+                 ln((0, 7)), rms((3, 7)), rms((3, 7), torch.bfloat16, residual="fp32", param="fp32"),
+                 rms((3, 7), torch.float16, residual="none"), rms((3, 7), residual="none", weight=False),
+                 rms((3, 7), torch.bfloat16, residual="fp32", weight=False)]
+
+
+@pytest.mark.parametrize("c", OPCHECK_CASES, ids=ids(OPCHECK_CASES))
+def test_opcheck_fwd(device, c):
+    inp = make_inputs(c, device)
+    args = tuple(None if inp[k] is None else inp[k].requires_grad_() for k in ARGS)
+    torch.library.opcheck(ops.add_norm_fwd, (*args, c.eps, c.rms, c.residual_in_fp32))
+
+
+@pytest.mark.parametrize("c", OPCHECK_CASES, ids=ids(OPCHECK_CASES))
+def test_opcheck_bwd(device, c):
+    inp = make_inputs(c, device)
+    x, r, w, b = (inp[k] for k in ARGS)
+    _, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, c.eps, c.rms, c.residual_in_fp32)
+    ds = inp["gs"] if c.stores_s else None
+    torch.library.opcheck(ops.add_norm_bwd, (inp["gy"], ds, s if c.stores_s else x, w, b, mean, rstd,
+                                             c.rms, w is not None, b is not None))
+
+
+# --------------------------------------------------------------------------- modules
+
+MODULES = [("LayerNorm", dict(normalized_shape=1000)),
+           ("LayerNorm", dict(normalized_shape=(3, 7), eps=1e-3)),
+           ("LayerNorm", dict(normalized_shape=1000, elementwise_affine=False)),
+           ("LayerNorm", dict(normalized_shape=(4097,), bias=False)),
+           ("RMSNorm", dict(normalized_shape=1000)),  # eps=None: finfo(dtype).eps
+           ("RMSNorm", dict(normalized_shape=[3, 7], eps=1e-5)),
+           ("RMSNorm", dict(normalized_shape=4097, elementwise_affine=False, eps=1e-6))]
+MODULE_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}".replace(" ", "") for n, kw in MODULES]
+
+
+def torch_module(name, kwargs, device, dtype=torch.float32):
+    """torch.nn.<name> with random (not default) parameters."""
+    m = getattr(torch.nn, name)(**kwargs).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32))
+    return m
+
+
+@pytest.mark.parametrize("name,kwargs", MODULES, ids=MODULE_IDS)
+def test_module_state_dict(name, kwargs):
+    """fusedops.nn modules and torch's load each other's state_dict (strict)."""
+    theirs = torch_module(name, kwargs, "cpu")
+    ours = getattr(fusedops.nn, name)(**kwargs)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    back = torch_module(name, kwargs, "cpu")
+    back.load_state_dict(ours.state_dict(), strict=True)
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == list(back.state_dict())
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v) and torch.equal(back.state_dict()[k], v), k
+    assert repr(ours) == repr(theirs)
+
+
+def _module_results(module, x, residual, gy):
+    """Output and gradients (input, residual, parameters) of the module on x + residual.
+    fusedops' modules take the residual (and must return x + residual as s);
+    torch's are given the sum."""
+    x = x.detach().requires_grad_()
+    residual = None if residual is None else residual.detach().requires_grad_()
+    if residual is None:
+        y = module(x)
+    elif isinstance(module, (fusedops.nn.LayerNorm, fusedops.nn.RMSNorm)):
+        y, s = module(x, residual)
+        assert torch.equal(s, x + residual), "forward(x, residual) did not return x + residual"
+    else:
+        y = module(x + residual)
+    module.zero_grad()
+    y.backward(gy.to(y.dtype))
+    out = {"y": y, "dx": x.grad, "dresidual": None if residual is None else residual.grad}
+    out.update({"d" + n: p.grad for n, p in module.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["x", "x+residual"])
+@pytest.mark.parametrize("dtype", LOWP, ids=dtype_id)
+@pytest.mark.parametrize("name,kwargs", MODULES, ids=MODULE_IDS)
+def test_module_matches_torch(device, name, kwargs, dtype, with_residual):
+    """fusedops.nn.<name> matches torch.nn.<name> (same state) by the 2x rule, with
+    torch's module in float64 as the reference and in dtype as the yardstick;
+    forward(x, residual) returns (norm(x + residual), x + residual)."""
+    theirs = torch_module(name, kwargs, device, dtype)
+    ours = getattr(fusedops.nn, name)(**kwargs).to(device=device, dtype=dtype)
+    ours.load_state_dict(theirs.state_dict())
+    ref = copy.deepcopy(theirs).double()
+    if name == "RMSNorm" and ref.eps is None:
+        ref.eps = torch.finfo(dtype).eps  # eps=None means the eps of the input's dtype
+    shape = (2, 5, *torch.Size(theirs.normalized_shape))
+    x, gy = randn(shape, dtype, device), randn(shape, dtype, device)
+    r = randn(shape, dtype, device) if with_residual else None
+    got = _module_results(ours, x, r, gy)
+    eager = _module_results(theirs, x, r, gy)
+    want = _module_results(ref, x.double(), None if r is None else r.double(), gy)
+    assert got.keys() == eager.keys() == want.keys()
+    for k in got:
+        if want[k] is not None:
+            scale = max(default_scale(want[k]), math.sqrt(10)) if k in ("dweight", "dbias") else None
+            assert_close_2x(got[k], want[k], eager[k], f"{name} {k}", scale=scale)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_module_float64_falls_back_to_torch(device, name):
+    """Inputs the kernels do not take (float64) get torch's own math."""
+    theirs = torch_module(name, dict(normalized_shape=7), device, torch.float64)
+    ours = getattr(fusedops.nn, name)(7).to(device=device, dtype=torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    x, r = randn((3, 7), torch.float64, device), randn((3, 7), torch.float64, device)
+    assert torch.equal(ours(x), theirs(x))
+    y, s = ours(x, r)
+    assert torch.equal(s, x + r) and torch.equal(y, theirs(x + r))
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+class PreNormBlock(torch.nn.Module):
+    """Linear -> norm(x, residual) -> Linear, as in a pre-norm transformer layer."""
+
+    def __init__(self, norm, hidden):
+        super().__init__()
+        self.inp = torch.nn.Linear(hidden, hidden)
+        self.norm = norm
+        self.out = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, residual):
+        y, s = self.norm(self.inp(x), residual)
+        return self.out(y), s
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_torch_compile(device, name):
+    """torch.compile(fullgraph=True) of a block using the fused norm (so: no graph
+    breaks) matches eager, forward and backward; a second input shape recompiles
+    (with dynamic shapes: the fake kernels' symbolic sizes). Inductor on every
+    device (on the CPU its first compile takes ~20 s)."""
+    hidden = 96
+    norm = getattr(fusedops.nn, name)(hidden)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    block = PreNormBlock(norm, hidden).to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+
+    def run(fn, x, r, g_out, g_s):
+        block.zero_grad()
+        x, r = x.clone().requires_grad_(), r.clone().requires_grad_()
+        out, s = fn(x, r)
+        torch.autograd.backward([out, s], [g_out, g_s])
+        return [out, s, x.grad, r.grad] + [p.grad for p in block.parameters()]
+
+    for lead in [(2, 5), (3, 7)]:
+        tensors = [randn((*lead, hidden), torch.float32, device) for _ in range(4)]
+        # The norm is one opaque op to the compiler; the Linears around it may be
+        # fused or reduced in another order: fp32 rounding differences only.
+        for got, want in zip(run(compiled, *tensors), run(block, *tensors)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- autocast
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_autocast(device, name):
+    """Under bf16 autocast, Linear -> fusedops norm runs on the Linear's bf16
+    output with the module's fp32 parameters. The output keeps x's dtype: bf16
+    (torch.nn.LayerNorm would return fp32 here: autocast runs layer_norm in
+    fp32); a residual stream in fp32 stays fp32; gradients reach every parameter
+    in fp32."""
+    hidden = 64
+    lin = torch.nn.Linear(hidden, hidden).to(device)
+    norm = torch_module(name, dict(normalized_shape=hidden, eps=1e-5), device)
+    fused_norm = getattr(fusedops.nn, name)(hidden, eps=1e-5).to(device)
+    fused_norm.load_state_dict(norm.state_dict())
+    x, r = randn((4, 8, hidden), torch.float32, device), randn((4, 8, hidden), torch.float32, device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        h = lin(x)
+        y = fused_norm(h)
+        y2, s = fused_norm(h, r)
+    assert h.dtype == y.dtype == y2.dtype == torch.bfloat16 and s.dtype == torch.float32
+    (y.float().square().sum() + y2.float().square().sum() + s.sum()).backward()
+    for n, p in itertools.chain(lin.named_parameters(), fused_norm.named_parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, n
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
+    h, w, b = h.detach(), fused_norm.weight.detach(), getattr(fused_norm, "bias", None)
+    b = None if b is None else b.detach()
+    for out, res in ((y, None), (y2, r)):
+        args = (h, res, w, b)
+        want = reference.add_norm(*(None if t is None else t.double() for t in args), 1e-5, name == "RMSNorm")[0]
+        eager = reference.add_norm(*args, 1e-5, name == "RMSNorm")[0]
+        assert_close_2x(out, want, eager, f"autocast {name} y")
