@@ -308,6 +308,8 @@ def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
         gpu = graph_time(call, device)
         if gpu is not None:
             row["gpu_ms"] = gpu * 1e3
+            row["gpu_GB/s"] = case.nbytes / row["gpu_ms"] / 1e6
+            row["gpu_frac_of_ceiling"] = row["gpu_GB/s"] / ceiling_gbps
             row["host_bound"] = row["ms"] > HOST_BOUND * row["gpu_ms"]
     except Exception as e:  # noqa: BLE001  (record it and go on to the next impl)
         row["error"] = _short_error(e)
@@ -440,19 +442,25 @@ def _ratio(a, b):
     return None if not (a and b) else a / b
 
 
-def _gbps(row):
+def _gpu_gbps(row):
+    """GB/s of the GPU time alone (CUDA-graph replay) where measured, else of
+    the timed call."""
+    return row.get("gpu_GB/s") or row.get("GB/s")
+
+
+def _wall(row):
     # '*' marks a host-bound number (see HOST_BOUND).
     gb = row.get("GB/s")
     return "n/a" if gb is None else f"{gb:.0f}" + ("*" if row.get("host_bound") else "")
 
 
-def _table_row(key, g):
+def _table_row(key, g, ceiling):
     r = {impl: g.get(impl, {}) for impl in IMPLS}
-    gb = {impl: r[impl].get("GB/s") for impl in IMPLS}
-    return [*key, _gbps(r["fusedops"]), _fmt(r["fusedops"].get("frac_of_ceiling"), ".2f"),
-            _gbps(r["eager"]), _gbps(r["compile"]),
+    gb = {impl: _gpu_gbps(r[impl]) for impl in IMPLS}
+    return [*key, _fmt(gb["fusedops"], ".0f"), _fmt(_ratio(gb["fusedops"], ceiling), ".2f"),
+            _fmt(gb["eager"], ".0f"), _fmt(gb["compile"], ".0f"),
             _fmt(_ratio(gb["fusedops"], gb["eager"]), ".2f"),
-            _fmt(_ratio(gb["fusedops"], gb["compile"]), ".2f")]
+            _fmt(_ratio(gb["fusedops"], gb["compile"]), ".2f"), _wall(r["fusedops"])]
 
 
 def _markdown(head, body, n_left):
@@ -470,15 +478,21 @@ def _markdown(head, body, n_left):
 
 def format_table(meta, rows):
     """One row per (op, shape, dtype, direction); GB/s counts the fewest bytes
-    the op must move, frac is fusedops over the copy ceiling."""
-    head = ["op", "shape", "dtype", "dir", "fusedops", "frac", "eager", "compile",
-            "vs eager", "vs compile"]
-    body = [_table_row(key, g) for key, g in _by_impl(rows).items()]
+    the op must move. On a GPU the GB/s columns are GPU time (the calls replayed
+    as a CUDA graph: kernels only, for every impl alike); 'wall' is fusedops
+    timed call by call, host overhead included."""
     c = meta["ceiling"]
+    gpu = meta.get("device_type") == "cuda"
+    head = ["op", "shape", "dtype", "dir", "fusedops", "frac", "eager", "compile",
+            "vs eager", "vs compile", "fusedops wall"]
+    body = [_table_row(key, g, c["GB/s"]) for key, g in _by_impl(rows).items()]
     title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
              f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
              f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write). "
-             "GB/s columns; 'vs' = fusedops speedup.\n")
+             "GB/s columns; frac = fusedops / ceiling; 'vs' = fusedops speedup.\n")
+    if gpu:
+        title += ("GB/s from GPU time (each impl's calls replayed as a CUDA graph); 'fusedops wall' "
+                  "times each call from the host, launch and autograd overhead included.\n")
     if any(r.get("host_bound") for r in rows):
         title += (f"* host-bound: over {HOST_BOUND}x the time of the same calls replayed as a "
                   "CUDA graph (gpu_ms in results.json).\n")
@@ -511,13 +525,17 @@ def write_plot(out_dir, meta, rows):
     return path
 
 
+def _frac(row):
+    return row.get("gpu_frac_of_ceiling") or row.get("frac_of_ceiling")
+
+
 def _plot_panel(ax, groups, keys, direction):
     several_dtypes = len({k[2] for k in groups}) > 1
     # Stacked labels while they fit side by side, one rotated line past that.
     sep, rot = ("\n", 0) if len(keys) <= 10 else (" ", 90)
     labels = [sep.join([k[0].replace("add+", ""), k[1]] + ([k[2]] if several_dtypes else []))
               for k in keys]
-    fracs = {impl: [groups[k].get(impl, {}).get("frac_of_ceiling") for k in keys]
+    fracs = {impl: [_frac(groups[k].get(impl, {})) for k in keys]
              for impl in IMPLS}
     for j, impl in enumerate(IMPLS):
         if not any(impl in groups[k] for k in keys):
@@ -531,6 +549,6 @@ def _plot_panel(ax, groups, keys, direction):
     top = max([1.0] + [f for fr in fracs.values() for f in fr if f])
     ax.set_ylim(0, top * 1.08)  # headroom so the ceiling line is not the frame
     ax.set_xticks(range(len(keys)), labels, rotation=rot, fontsize=8)
-    ax.set_ylabel("fraction of copy ceiling")
+    ax.set_ylabel("fraction of copy ceiling (GPU time)")
     ax.set_title(direction, fontsize=10)
     ax.grid(axis="y", alpha=0.3)

@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build the CUDA extension, run the CUDA tests,
-# run the benchmark suite, print a short table last.
+# One call on the GPU machine: build the CUDA extension, run the CUDA tests and
+# the fuzz sweep, run the benchmark suite, print a short table last.
 #   tools/gpu.sh [build|test|bench|all] [extra args for the benchmark runner]
-# Logs and results go to $OUT (the device tool's folder) or ./gpu-out.
+# Environment: PYTEST_ARGS (extra pytest args, e.g. "-k cuda"), FUZZ_CASES
+# (default 300; 0 skips). Logs and results go to $OUT (the device tool's
+# folder) or ./gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export FUSEDOPS_CUDA=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 t0=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import fusedops; print(fusedops.build_info())" || exit 1
-rc=0
+rc=0 summary=""
 if [[ $what == test || $what == all ]]; then
-  python3 -m pytest -x -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
-  rc=${PIPESTATUS[0]}
+  t0=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} >"$OUT/tests.log" 2>&1
+  trc=$?; rc=$(( rc || trc ))
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+  summary+="tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t0 )) s)"$'\n'
+  if [[ ${FUZZ_CASES:-300} != 0 ]]; then
+    python3 tools/norm_fuzz.py --device cuda --cases "${FUZZ_CASES:-300}" >"$OUT/fuzz.log" 2>&1
+    frc=$?; rc=$(( rc || frc ))
+    grep FAIL "$OUT/fuzz.log" | head -10
+    summary+="fuzz: $(tail -1 "$OUT/fuzz.log")"$'\n'
+  fi
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m benchmarks.run --out "$OUT" "$@" 2>"$OUT/bench-progress.log"
+  python3 -m benchmarks.run --out "$OUT" "$@" 2>"$OUT/bench-progress.log" >"$OUT/bench.txt"
+  tail -5 "$OUT/bench-progress.log"
 fi
+echo "$summary"
+[[ -f $OUT/bench.txt ]] && cat "$OUT/bench.txt"
 exit $rc

@@ -29,30 +29,61 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
   T v[N];
 };
 
+// Raw pack load / store. Packs of 16 or 32 bytes go through uint4 so that
+// they are always single 16-byte instructions (LDG.128 / STG.128); with a
+// struct copy the compiler sometimes splits a store into four 4-byte ones.
 template <int N, class T>
-__device__ __forceinline__ void load_f(const T *p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+__device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
+  Pack<T, N> pk;
+  if constexpr (sizeof(pk) % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
+      reinterpret_cast<uint4 *>(&pk)[j] = reinterpret_cast<const uint4 *>(p)[j];
+  } else {
+    pk = *reinterpret_cast<const Pack<T, N> *>(p);
+  }
+  return pk;
+}
+
+// Read-only (non-coherent) path: weight and bias, never written by the kernel.
+template <int N, class T>
+__device__ __forceinline__ Pack<T, N> load_pack_ldg(const T *p) {
+  Pack<T, N> pk;
+  if constexpr (sizeof(pk) % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
+      reinterpret_cast<uint4 *>(&pk)[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
+  } else {
+    pk = *reinterpret_cast<const Pack<T, N> *>(p);
+  }
+  return pk;
+}
+
+template <int N, class T>
+__device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
+  if constexpr (sizeof(pk) % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
+      reinterpret_cast<uint4 *>(p)[j] = reinterpret_cast<const uint4 *>(&pk)[j];
+  } else {
+    *reinterpret_cast<Pack<T, N> *>(p) = pk;
+  }
+}
+
+template <int N, class T>
+__device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
 }
 
-// Read-only path for small tensors every row reads again (weight, bias).
+template <int N, class T>
+__device__ __forceinline__ void load_f(const T *p, float (&out)[N]) {
+  unpack(load_pack<N>(p), out);
+}
+
 template <int N, class T>
 __device__ __forceinline__ void load_f_ldg(const T *p, float (&out)[N]) {
-  static_assert(sizeof(Pack<T, N>) % 4 == 0 || N == 1, "pack size");
-  Pack<T, N> pk;
-  if constexpr (sizeof(Pack<T, N>) == 32) {
-    const uint4 *q = reinterpret_cast<const uint4 *>(p);
-    uint4 a = __ldg(q), b = __ldg(q + 1);
-    *reinterpret_cast<uint4 *>(&pk) = a;
-    *(reinterpret_cast<uint4 *>(&pk) + 1) = b;
-  } else if constexpr (sizeof(Pack<T, N>) == 16) {
-    *reinterpret_cast<uint4 *>(&pk) = __ldg(reinterpret_cast<const uint4 *>(p));
-  } else {
-    pk = *reinterpret_cast<const Pack<T, N> *>(p);
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
+  unpack(load_pack_ldg<N>(p), out);
 }
 
 template <int N, class T>
@@ -60,7 +91,7 @@ __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(in[i]);
-  *reinterpret_cast<Pack<T, N> *>(p) = pk;
+  store_pack<N>(p, pk);
 }
 
 // Round each value to what storing it as T keeps.

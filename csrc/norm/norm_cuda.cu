@@ -30,15 +30,25 @@
 namespace {
 using namespace fo;
 
-// Per-thread register budget of the register kernels: the forward holds one
-// row array of up to 32 fp32 values per thread, the backward four arrays
-// (xhat, dy, dweight and dbias sums) of up to 16. From half of that on, a
-// block is capped at 512 threads, so that each thread may use 128 registers
-// without spilling (ptxas -v: no spills in any instantiation).
-constexpr int kFwdElems = 32, kBwdElems = 16;
+// Per-thread register budget of the register kernels, in fp32 values per row
+// array: the forward holds the row (and weight/bias packs, kept across rows),
+// the backward xhat, its partial dx, the dweight/dbias sums and the weight
+// packs. From half of the budget on, a block is capped at 512 threads, so that
+// each thread may use 128 registers (ptxas -v: no spills in any
+// instantiation; tools/compile_cuda.sh fails on a spill).
+constexpr int kFwdElems = 16, kBwdElems = 16;
 constexpr int max_threads(int elems, int budget) { return elems * 2 >= budget ? 512 : 1024; }
-constexpr int kMaxTeams = 15;     // named barriers 1..15
+constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
+// The loop kernels: at most 512 threads a block (128 registers a thread),
+// each with 16 values (four vectors of 16-bit types) in flight per step.
+constexpr int kLoopThreads = 512;
+constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
+
+// Every kernel issues all loads of a step before its first store: the
+// compiler may not move a load of x, residual, dy or ds past a store to s, y
+// or dx (they could alias), so an interleaved load/store loop waits a full
+// memory latency per vector (seen in SASS: LDG, STG, LDG, STG ...).
 
 // --- forward ------------------------------------------------------------------------------
 
@@ -47,33 +57,49 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
   __shared__ float red[kMaxTeams][2][32];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
+  // This thread's columns, the same in every row: [col(k), col(k) + VEC).
+  auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
+  // weight and bias, in their storage type, stay in registers for all rows.
+  Pack<W, VEC> w[NV], b[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
+    }
+  }
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
   int parity = 0;
   for (int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; row < p.rows; row += row_step) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
     float v[NV][VEC];
-    float sum[1] = {0.f};
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t c = ((int64_t)k * team + tid) * VEC;
-      if (c < cols) {
-        load_f<VEC>(x + c, v[k]);
+    for (int k = 0; k < NV; ++k) {  // loads only
+      if (col(k) < cols) {
+        load_f<VEC>(x + col(k), v[k]);
         if (r) {
           float rv[VEC];
-          load_f<VEC>(r + c, rv);
+          load_f<VEC>(r + col(k), rv);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) v[k][i] += rv[i];
         }
-        if (p.s) {
-          round_to<S>(v[k]);
-          store_f<VEC>(static_cast<S *>(p.s) + row * cols + c, v[k]);
-        }
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[k][i] = 0.f;
+      }
+    }
+    // s as stored: the statistics are those of the rounded stream
+    float sum[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        if (p.s) {
+          round_to<S>(v[k]);
+          store_f<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
       }
     }
     float mean = 0.f;
@@ -85,7 +111,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
     float sq[1] = {0.f};
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      if (((int64_t)k * team + tid) * VEC < cols) {
+      if (col(k) < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
       }
@@ -96,19 +122,15 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
     T *y = static_cast<T *>(p.y) + row * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int64_t c = ((int64_t)k * team + tid) * VEC;
-      if (c < cols) {
-        float w[VEC], b[VEC];
-        if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
-        if (p.bias) load_f_ldg<VEC>(static_cast<const W *>(p.bias) + c, b);
+      if (col(k) < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float o = (v[k][i] - mean) * rstd;
-          if (p.weight) o *= w[i];
-          if (p.bias) o += b[i];
+          if (p.weight) o *= to_f(w[k].v[i]);
+          if (p.bias) o += to_f(b[k].v[i]);
           v[k][i] = o;
         }
-        store_f<VEC>(y + c, v[k]);
+        store_f<VEC>(y + col(k), v[k]);
       }
     }
     if (tid == 0) {
@@ -118,40 +140,50 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
   }
 }
 
-// One block per row; the row is walked in chunks of VEC, three times for
-// LayerNorm (sum, squared deviations, output), twice for RMSNorm.
+// One block per row for rows too wide for registers (or not 16-byte aligned:
+// VEC = 1). The row is walked loop_unroll(VEC) vectors per thread at a time: three
+// passes for LayerNorm (sum, squared deviations, output), two for RMSNorm; s
+// is read back from L1/L2 by the thread that wrote it.
 template <class T, class S, class W, int VEC>
-__global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
+__global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_params p) {
+  constexpr int U = loop_unroll(VEC);
   __shared__ float red[2][32];
   const int team = blockDim.x, tid = threadIdx.x;
-  const int64_t cols = p.cols;
+  const int64_t cols = p.cols, step = (int64_t)team * VEC;
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
     S *s = p.s ? static_cast<S *>(p.s) + row * cols : nullptr;
     float acc[1] = {0.f};
-    for (int64_t c = (int64_t)tid * VEC; c < cols; c += (int64_t)team * VEC) {
-      float v[VEC];
-      load_f<VEC>(x + c, v);
-      if (r) {
-        float rv[VEC];
-        load_f<VEC>(r + c, rv);
+    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+      float v[U][VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) v[i] += rv[i];
-      }
-      if (s) {
-        round_to<S>(v);
-        store_f<VEC>(s + c, v);
+      for (int u = 0; u < U; ++u) {  // loads only
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          load_f<VEC>(x + c, v[u]);
+          if (r) {
+            float rv[VEC];
+            load_f<VEC>(r + c, rv);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) v[u][i] += rv[i];
+          }
+        }
       }
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? v[i] * v[i] : v[i];
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          if (s) {
+            round_to<S>(v[u]);
+            store_f<VEC>(s + c, v[u]);
+          }
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? v[u][i] * v[u][i] : v[u][i];
+        }
+      }
     }
-    // s as stored (or x itself): this thread reads back only what it wrote.
-    auto load_s = [&](int64_t c, float (&v)[VEC]) {
-      if (s) load_f<VEC>(s + c, v);
-      else load_f<VEC>(x + c, v);
-    };
     float mean = 0.f, var;
     team_sum(acc, team, red[parity]);
     parity ^= 1;
@@ -160,9 +192,10 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
     } else {
       mean = acc[0] / (float)cols;
       float sq[1] = {0.f};
-      for (int64_t c = (int64_t)tid * VEC; c < cols; c += (int64_t)team * VEC) {
+      for (int64_t c = (int64_t)tid * VEC; c < cols; c += step) {
         float v[VEC];
-        load_s(c, v);
+        if (s) load_f<VEC>(s + c, v);  // s as stored, or x itself
+        else load_f<VEC>(x + c, v);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sq[0] += (v[i] - mean) * (v[i] - mean);
       }
@@ -172,19 +205,31 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
     }
     const float rstd = rsqrtf(var + p.eps);
     T *y = static_cast<T *>(p.y) + row * cols;
-    for (int64_t c = (int64_t)tid * VEC; c < cols; c += (int64_t)team * VEC) {
-      float v[VEC], w[VEC], b[VEC];
-      load_s(c, v);
-      if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
-      if (p.bias) load_f_ldg<VEC>(static_cast<const W *>(p.bias) + c, b);
+    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+      float v[U][VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        float o = (v[i] - mean) * rstd;
-        if (p.weight) o *= w[i];
-        if (p.bias) o += b[i];
-        v[i] = o;
+      for (int u = 0; u < U; ++u) {  // loads only
+        const int64_t c = c0 + u * step;
+        if (c < cols && s) load_f<VEC>(s + c, v[u]);
+        else if (c < cols) load_f<VEC>(x + c, v[u]);
       }
-      store_f<VEC>(y + c, v);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          float w[VEC], b[VEC];
+          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+          if (p.bias) load_f_ldg<VEC>(static_cast<const W *>(p.bias) + c, b);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            float o = (v[u][i] - mean) * rstd;
+            if (p.weight) o *= w[i];
+            if (p.bias) o += b[i];
+            v[u][i] = o;
+          }
+          store_f<VEC>(y + c, v[u]);
+        }
+      }
     }
     if (tid == 0) {
       if (p.mean) p.mean[row] = mean;
@@ -194,6 +239,10 @@ __global__ void __launch_bounds__(1024) fwd_loop(const fo_norm_fwd_params p) {
 }
 
 // --- backward -----------------------------------------------------------------------------
+// Per row, with g = dy * w and xhat = (s - mean) * rstd:
+//   dx = rstd * g + ds - rstd * (mean(g) + xhat * mean(g * xhat))
+// The first two terms are formed while the row is loaded, so that only xhat
+// and that partial dx stay live across the row reduction.
 
 template <class T, class S, class W, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(const fo_norm_bwd_params p) {
@@ -202,58 +251,60 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
+  auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
+  Pack<W, VEC> w[NV];  // kept across rows
   float dw[NV][VEC], db[NV][VEC];
 #pragma unroll
-  for (int k = 0; k < NV; ++k)
+  for (int k = 0; k < NV; ++k) {
+    if (p.weight && col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) dw[k][i] = db[k][i] = 0.f;
+  }
 
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
   int parity = 0;
   for (int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; row < p.rows; row += row_step) {
     const T *dyp = static_cast<const T *>(p.dy) + row * p.dy_stride;
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
+    const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
-    float xhat[NV][VEC], dy[NV][VEC];
+    float xhat[NV][VEC], h[NV][VEC], ds[NV][VEC];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {  // loads only
+      if (col(k) < cols) {
+        load_f<VEC>(sp + col(k), xhat[k]);
+        load_f<VEC>(dyp + col(k), h[k]);
+        if (dsp) load_f<VEC>(dsp + col(k), ds[k]);
+      }
+    }
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int64_t c = ((int64_t)k * team + tid) * VEC;
-      if (c < cols) {
-        float w[VEC];
-        load_f<VEC>(sp + c, xhat[k]);
-        load_f<VEC>(dyp + c, dy[k]);
-        if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+      if (col(k) < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          xhat[k][i] = (xhat[k][i] - mean) * rstd;
-          const float g = p.weight ? dy[k][i] * w[i] : dy[k][i];
+          const float dy = h[k][i], xh = (xhat[k][i] - mean) * rstd;
+          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
           sums[0] += g;
-          sums[1] += g * xhat[k][i];
+          sums[1] += g * xh;
+          if (want_w) dw[k][i] += dy * xh;
+          if (want_b) db[k][i] += dy;
+          xhat[k][i] = xh;
+          h[k][i] = dsp ? rstd * g + ds[k][i] : rstd * g;
         }
       }
     }
     team_sum(sums, team, red[threadIdx.y][parity]);
     parity ^= 1;
-    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
-    const float mean_gx = sums[1] / (float)cols;
+    const float a = p.rms ? 0.f : rstd * (sums[0] / (float)cols);
+    const float bc = rstd * (sums[1] / (float)cols);
     S *dx = static_cast<S *>(p.dx) + row * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int64_t c = ((int64_t)k * team + tid) * VEC;
-      if (c < cols) {
-        float w[VEC], ds[VEC], out[VEC];
-        if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
-        if (p.ds) load_f<VEC>(static_cast<const S *>(p.ds) + row * p.ds_stride + c, ds);
+      if (col(k) < cols) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float g = p.weight ? dy[k][i] * w[i] : dy[k][i];
-          out[i] = rstd * (g - mean_g - xhat[k][i] * mean_gx);
-          if (p.ds) out[i] += ds[i];
-          if (want_w) dw[k][i] += dy[k][i] * xhat[k][i];
-          if (want_b) db[k][i] += dy[k][i];
-        }
-        store_f<VEC>(dx + c, out);
+        for (int i = 0; i < VEC; ++i) h[k][i] -= a + xhat[k][i] * bc;
+        store_f<VEC>(dx + col(k), h[k]);
       }
     }
   }
@@ -268,11 +319,10 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
       if ((int)threadIdx.y == t) {
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
-          const int64_t c = ((int64_t)k * team + tid) * VEC;
-          if (c < cols)
+          if (col(k) < cols)
 #pragma unroll
             for (int i = 0; i < VEC; ++i)
-              acc[c + i] = (t == 0 ? 0.f : acc[c + i]) + (which == 0 ? dw[k][i] : db[k][i]);
+              acc[col(k) + i] = (t == 0 ? 0.f : acc[col(k) + i]) + (which == 0 ? dw[k][i] : db[k][i]);
         }
       }
     }
@@ -283,48 +333,70 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
 }
 
 // dx only, any width: one block per row, two passes over the row (sums, then
-// dx); the second pass re-reads dy and s, mostly from L2.
+// dx); the second re-reads dy and s, from L1/L2 where the row still is.
 template <class T, class S, class W, int VEC>
-__global__ void __launch_bounds__(1024) bwd_loop(const fo_norm_bwd_params p) {
+__global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_params p) {
+  constexpr int U = loop_unroll(VEC);
   __shared__ float red[2][64];
   const int team = blockDim.x, tid = threadIdx.x;
-  const int64_t cols = p.cols;
+  const int64_t cols = p.cols, step = (int64_t)team * VEC;
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T *dyp = static_cast<const T *>(p.dy) + row * p.dy_stride;
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
+    const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
     float sums[2] = {0.f, 0.f};
-    for (int64_t c = (int64_t)tid * VEC; c < cols; c += (int64_t)team * VEC) {
-      float xh[VEC], dy[VEC], w[VEC];
-      load_f<VEC>(sp + c, xh);
-      load_f<VEC>(dyp + c, dy);
-      if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+      float xh[U][VEC], dy[U][VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float g = p.weight ? dy[i] * w[i] : dy[i];
-        sums[0] += g;
-        sums[1] += g * (xh[i] - mean) * rstd;
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          load_f<VEC>(sp + c, xh[u]);
+          load_f<VEC>(dyp + c, dy[u]);
+          float w[VEC];
+          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float g = p.weight ? dy[u][i] * w[i] : dy[u][i];
+            sums[0] += g;
+            sums[1] += g * (xh[u][i] - mean) * rstd;
+          }
+        }
       }
     }
     team_sum(sums, team, red[parity]);
     parity ^= 1;
-    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
-    const float mean_gx = sums[1] / (float)cols;
+    const float a = p.rms ? 0.f : rstd * (sums[0] / (float)cols);
+    const float bc = rstd * (sums[1] / (float)cols);
     S *dx = static_cast<S *>(p.dx) + row * cols;
-    for (int64_t c = (int64_t)tid * VEC; c < cols; c += (int64_t)team * VEC) {
-      float xh[VEC], dy[VEC], w[VEC], ds[VEC], out[VEC];
-      load_f<VEC>(sp + c, xh);
-      load_f<VEC>(dyp + c, dy);
-      if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
-      if (p.ds) load_f<VEC>(static_cast<const S *>(p.ds) + row * p.ds_stride + c, ds);
+    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+      float xh[U][VEC], dy[U][VEC], ds[U][VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float g = p.weight ? dy[i] * w[i] : dy[i];
-        out[i] = rstd * (g - mean_g - (xh[i] - mean) * rstd * mean_gx);
-        if (p.ds) out[i] += ds[i];
+      for (int u = 0; u < U; ++u) {  // loads only
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          load_f<VEC>(sp + c, xh[u]);
+          load_f<VEC>(dyp + c, dy[u]);
+          if (dsp) load_f<VEC>(dsp + c, ds[u]);
+        }
       }
-      store_f<VEC>(dx + c, out);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * step;
+        if (c < cols) {
+          float w[VEC];
+          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float g = p.weight ? dy[u][i] * w[i] : dy[u][i];
+            const float o = rstd * g - a - (xh[u][i] - mean) * rstd * bc;
+            dy[u][i] = dsp ? o + ds[u][i] : o;
+          }
+          store_f<VEC>(dx + c, dy[u]);
+        }
+      }
     }
   }
 }
@@ -419,7 +491,7 @@ Shape choose(int64_t cols, int vec, bool vec_ok, int budget) {
     c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
   } else {
     c.nv = 0;
-    c.team = (int)std::min<int64_t>(1024, std::max<int64_t>(128, round_up32(chunks / 4)));
+    c.team = (int)std::min<int64_t>(kLoopThreads, std::max<int64_t>(128, round_up32(chunks / 4)));
     c.rpb = 1;
   }
   return c;
