@@ -22,6 +22,7 @@
  *                        order: deterministic.
  * Measured figures and the history of versions: docs/perf-notes.md. */
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "norm.h"
@@ -30,14 +31,16 @@
 namespace {
 using namespace fo;
 
-// Per-thread register budget of the register kernels, in fp32 values per row
-// array: the forward holds the row (and weight/bias packs, kept across rows),
-// the backward xhat, its partial dx, the dweight/dbias sums and the weight
-// packs. From half of the budget on, a block is capped at 512 threads, so that
-// each thread may use 128 registers (ptxas -v: no spills in any
-// instantiation; tools/compile_cuda.sh fails on a spill).
-constexpr int kFwdElems = 16, kBwdElems = 16;
-constexpr int max_threads(int elems, int budget) { return elems * 2 >= budget ? 512 : 1024; }
+// Register kernels: a thread holds `values` fp32 values of each row array
+// (NV chunks of VEC). The forward holds the row; the backward xhat, g, ds and
+// the dweight/dbias sums. Thread caps keep each instantiation within the
+// registers a block of that size may use without spilling (1024 threads: 64
+// registers, 512: 128; tools/compile_cuda.sh fails on a spill).
+// Most values per thread: 32 (forward) and 16 (backward) for 16-bit x, half
+// that for fp32 x, whose chunks are half as wide.
+constexpr int kFwdMaxValues = 32, kBwdMaxValues = 16;
+constexpr int fwd_cap(int values) { return values <= 8 ? 1024 : 512; }
+constexpr int bwd_cap(int values) { return values <= 8 ? 1024 : 512; }
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 // The loop kernels: at most 512 threads a block (128 registers a thread),
@@ -53,24 +56,17 @@ constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 // --- forward ------------------------------------------------------------------------------
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(const fo_norm_fwd_params p) {
+__global__ void __launch_bounds__(fwd_cap(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
   __shared__ float red[kMaxTeams][2][32];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   // This thread's columns, the same in every row: [col(k), col(k) + VEC).
   auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
-  // weight and bias, in their storage type, stay in registers for all rows.
-  Pack<W, VEC> w[NV], b[NV];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (col(k) < cols) {
-      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
-      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
-    }
-  }
-  const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
-  int parity = 0;
-  for (int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; row < p.rows; row += row_step) {
+  // One row per team, no loop: a grid-stride loop keeps addresses and
+  // offsets live across rows (59 registers instead of 39 for 8 bf16 values,
+  // half the occupancy; ncu), and the hardware hands out new blocks as fast.
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row < p.rows) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
     float v[NV][VEC];
@@ -104,8 +100,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
     }
     float mean = 0.f;
     if (!p.rms) {
-      team_sum(sum, team, red[threadIdx.y][parity]);
-      parity ^= 1;
+      team_sum(sum, team, red[threadIdx.y][0]);
       mean = sum[0] / (float)cols;
     }
     float sq[1] = {0.f};
@@ -116,9 +111,17 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kFwdElems)) fwd_regs(con
         for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
       }
     }
-    team_sum(sq, team, red[threadIdx.y][parity]);
-    parity ^= 1;
+    team_sum(sq, team, red[threadIdx.y][1]);
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
+    // weight and bias (L1/L2 hits after the first rows), loaded before any y store
+    Pack<W, VEC> w[NV], b[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+        if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
+      }
+    }
     T *y = static_cast<T *>(p.y) + row * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -240,25 +243,29 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
 
 // --- backward -----------------------------------------------------------------------------
 // Per row, with g = dy * w and xhat = (s - mean) * rstd:
-//   dx = rstd * g + ds - rstd * (mean(g) + xhat * mean(g * xhat))
-// The first two terms are formed while the row is loaded, so that only xhat
-// and that partial dx stay live across the row reduction.
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds
+// (g - mean(g) first: in rows of tiny variance rstd is huge, and rstd * g
+// minus rstd * mean(g) would cancel to noise.)
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(const fo_norm_bwd_params p) {
+__global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
   __shared__ float red[kMaxTeams][2][64];
-  extern __shared__ float acc[];  // [cols]: the block's dweight or dbias sum
+  // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
+  // its rows. Shared memory rather than registers: two arrays fewer per
+  // thread, and the occupancy that buys keeps more loads in flight. Every
+  // column belongs to one thread of the team, so the sums need no atomics;
+  // value i of chunk k of thread tid sits at slot (k * VEC + i) * team + tid,
+  // so that a warp's accesses fall in 32 different banks.
+  extern __shared__ float acc[];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
   auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
-  Pack<W, VEC> w[NV];  // kept across rows
-  float dw[NV][VEC], db[NV][VEC];
+  const int slots = NV * VEC * team;
+  float *acc_w = acc + threadIdx.y * 2 * slots + tid, *acc_b = acc_w + slots;
+  if (want_w || want_b) {
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (p.weight && col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dw[k][i] = db[k][i] = 0.f;
+    for (int j = 0; j < NV * VEC; ++j) acc_w[j * team] = acc_b[j * team] = 0.f;
   }
 
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
@@ -268,13 +275,15 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
     const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
-    float xhat[NV][VEC], h[NV][VEC], ds[NV][VEC];
+    float xhat[NV][VEC], g[NV][VEC], ds[NV][VEC];
+    Pack<W, VEC> w[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {  // loads only
       if (col(k) < cols) {
         load_f<VEC>(sp + col(k), xhat[k]);
-        load_f<VEC>(dyp + col(k), h[k]);
+        load_f<VEC>(dyp + col(k), g[k]);
         if (dsp) load_f<VEC>(dsp + col(k), ds[k]);
+        if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
       }
     }
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
@@ -283,52 +292,48 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, kBwdElems)) bwd_regs(con
       if (col(k) < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dy = h[k][i], xh = (xhat[k][i] - mean) * rstd;
-          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
-          sums[0] += g;
-          sums[1] += g * xh;
-          if (want_w) dw[k][i] += dy * xh;
-          if (want_b) db[k][i] += dy;
+          const float dy = g[k][i], xh = (xhat[k][i] - mean) * rstd;
+          const float gi = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          sums[0] += gi;
+          sums[1] += gi * xh;
+          if (want_w) acc_w[(k * VEC + i) * team] += dy * xh;
+          if (want_b) acc_b[(k * VEC + i) * team] += dy;
           xhat[k][i] = xh;
-          h[k][i] = dsp ? rstd * g + ds[k][i] : rstd * g;
+          g[k][i] = gi;
         }
       }
     }
     team_sum(sums, team, red[threadIdx.y][parity]);
     parity ^= 1;
-    const float a = p.rms ? 0.f : rstd * (sums[0] / (float)cols);
-    const float bc = rstd * (sums[1] / (float)cols);
+    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
+    const float mean_gx = sums[1] / (float)cols;
     S *dx = static_cast<S *>(p.dx) + row * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) h[k][i] -= a + xhat[k][i] * bc;
-        store_f<VEC>(dx + col(k), h[k]);
+        for (int i = 0; i < VEC; ++i) {
+          const float o = rstd * (g[k][i] - mean_g - xhat[k][i] * mean_gx);
+          g[k][i] = dsp ? o + ds[k][i] : o;
+        }
+        store_f<VEC>(dx + col(k), g[k]);
       }
     }
   }
-  // The block's teams add their sums into acc one team at a time (a fixed
-  // order), then the block writes its partial row. Teams that had no rows add
-  // zeros; team 0 covers every column, so acc is fully initialised.
+  if (!want_w && !want_b) return;
+  // The block's partial rows: its teams' sums added in a fixed order.
+  __syncthreads();
   const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
   for (int which = 0; which < 2; ++which) {
     if (!(which == 0 ? want_w : want_b)) continue;
-    for (int t = 0; t < (int)blockDim.y; ++t) {
-      __syncthreads();
-      if ((int)threadIdx.y == t) {
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-          if (col(k) < cols)
-#pragma unroll
-            for (int i = 0; i < VEC; ++i)
-              acc[col(k) + i] = (t == 0 ? 0.f : acc[col(k) + i]) + (which == 0 ? dw[k][i] : db[k][i]);
-        }
-      }
-    }
-    __syncthreads();
     float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
-    for (int64_t c = flat; c < cols; c += nthreads) out[c] = acc[c];
+    for (int64_t c = flat; c < cols; c += nthreads) {
+      const int chunk = (int)(c / VEC), k = chunk / team, owner = chunk % team;
+      const int slot = (k * VEC + (int)(c % VEC)) * team + owner;
+      float sum = 0.f;
+      for (int t = 0; t < (int)blockDim.y; ++t) sum += acc[(t * 2 + which) * slots + slot];
+      out[c] = sum;
+    }
   }
 }
 
@@ -368,8 +373,8 @@ __global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_param
     }
     team_sum(sums, team, red[parity]);
     parity ^= 1;
-    const float a = p.rms ? 0.f : rstd * (sums[0] / (float)cols);
-    const float bc = rstd * (sums[1] / (float)cols);
+    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
+    const float mean_gx = sums[1] / (float)cols;
     S *dx = static_cast<S *>(p.dx) + row * cols;
     for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
       float xh[U][VEC], dy[U][VEC], ds[U][VEC];
@@ -391,7 +396,7 @@ __global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_param
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             const float g = p.weight ? dy[u][i] * w[i] : dy[u][i];
-            const float o = rstd * g - a - (xh[u][i] - mean) * rstd * bc;
+            const float o = rstd * (g - mean_g - (xh[u][i] - mean) * rstd * mean_gx);
             dy[u][i] = dsp ? o + ds[u][i] : o;
           }
           store_f<VEC>(dx + c, dy[u]);
@@ -466,10 +471,8 @@ __global__ void colsum(const float *partial, int64_t parts, int64_t cols, W *dw,
 
 int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 
-// How a call runs: the register kernel when the row fits its budget (`budget`
-// fp32 values per thread per row array), with as many values per thread as
-// the budget allows (more loads in flight per thread), several small teams per
-// block; else the loop kernel with one block per row.
+// How a call runs: the register kernel when the row fits in registers, else
+// the loop kernel with one block per row.
 struct Shape {
   int vec;   // elements per access: 16 bytes of x's dtype, or 1 (misaligned / odd widths)
   int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
@@ -477,24 +480,47 @@ struct Shape {
   int rpb;   // rows (teams) per block
 };
 
-Shape choose(int64_t cols, int vec, bool vec_ok, int budget) {
+// Values per thread the register kernels aim for: fewer values means larger
+// teams and more of them per multiprocessor (fewer registers each), more
+// means fewer threads per row. FUSEDOPS_NORM_VALUES overrides it, for tuning.
+int target_values(int fallback) {
+  static const int v = [] {
+    const char *e = getenv("FUSEDOPS_NORM_VALUES");
+    return e ? atoi(e) : 0;
+  }();
+  return v > 0 ? v : fallback;
+}
+
+Shape loop_shape(int64_t cols, int vec) {
+  const int64_t chunks = (cols + vec - 1) / vec;
+  return Shape{vec, 0, (int)std::min<int64_t>(kLoopThreads, std::max<int64_t>(128, round_up32(chunks / 4))), 1};
+}
+
+// The fewest chunks per thread (a power of two) that give at least `target`
+// values and a team within its thread cap, up to `max_values`.
+template <class Cap>
+Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values, Cap cap) {
   Shape c{};
   c.vec = vec_ok ? vec : 1;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
-  const int max_nv = std::max(1, budget / vec);
-  const int64_t team = std::max(32, round_up32((chunks + max_nv - 1) / max_nv));
-  const int64_t need = (chunks + team - 1) / team;
-  const int nv = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : 8;
-  if (vec_ok && team <= max_threads(nv * vec, budget)) {
-    c.team = (int)team;
-    c.nv = nv;
-    c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
-  } else {
-    c.nv = 0;
-    c.team = (int)std::min<int64_t>(kLoopThreads, std::max<int64_t>(128, round_up32(chunks / 4)));
-    c.rpb = 1;
+  for (int nv = 1; vec_ok && nv * vec <= max_values; nv *= 2) {
+    const int64_t team = std::max(32, round_up32((chunks + nv - 1) / nv));
+    if (nv * vec < target && nv * vec * 2 <= max_values && team > 32) continue;
+    if (team <= cap(nv * vec)) {
+      c.team = (int)team;
+      c.nv = nv;
+      c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
+      return c;
+    }
   }
-  return c;
+  return loop_shape(cols, c.vec);
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB a
+// kernel must ask first).
+template <class K>
+void allow_smem(K *kernel, size_t smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
 // Persistent grid: as many blocks as are resident at once, at most one per row group.
@@ -551,7 +577,7 @@ void with_nv(int nv, F &&f) {
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), kBwdElems);
+  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(8), kBwdMaxValues * vec / 8, bwd_cap);
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -560,9 +586,10 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
     if (c.nv) {
-      with_nv<V, kBwdElems>(c.nv, [&](auto nv) {
+      with_nv<V, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
-        const size_t smem = want ? p->cols * sizeof(float) : 0;
+        const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * V * c.team * sizeof(float) : 0;
+        if (smem > 48 * 1024) allow_smem(k, smem);
         const int grid = persistent_grid(k, p->rows, c, smem, device);
         parts = want ? grid : 0;
         if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
@@ -597,7 +624,8 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
   const int device = current_device();
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), kFwdElems);
+  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(8), kFwdMaxValues * vec / 8, fwd_cap);
+  if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
@@ -608,9 +636,9 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       auto *k = c.vec == 1 ? fwd_loop<T, S, W, 1> : fwd_loop<T, S, W, V>;
       k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
     } else {
-      with_nv<V, kFwdElems>(c.nv, [&](auto nv) {
+      with_nv<V, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         auto *k = fwd_regs<T, S, W, V, decltype(nv)::value>;
-        k<<<persistent_grid(k, p->rows, c, 0, device), dim3(c.team, c.rpb), 0, st>>>(*p);
+        k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
       });
     }
   });

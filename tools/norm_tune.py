@@ -1,0 +1,80 @@
+"""Kernel-tuning probe for the fused add+norm CUDA kernels: GPU time (CUDA-graph
+replay over rotating inputs) of the raw forward and backward ops at a few
+shapes, as GB/s and as a fraction of the copy ceiling measured in the same run.
+Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
+launch plan aims for, norm_cuda.cu) to compare plans:
+
+    FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
+
+Not the benchmark suite (benchmarks/): no eager or compile, no autograd."""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
+import fusedops  # noqa: E402,F401
+
+ops = torch.ops.fusedops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16384x1024,16384x4096,8192x8192")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rms", action="store_true")
+    ap.add_argument("--once", action="store_true",
+                    help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    dt = getattr(torch, a.dtype)
+    if a.once:
+        return once(a, dev, dt)
+    ceiling = common.copy_ceiling(dev)["GB/s"]
+    tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
+    for shape in a.shapes.split(","):
+        T, H = map(int, shape.split("x"))
+        n = T * H * dt.itemsize
+        sets = []
+        for _ in range(max(2, (256 << 20) // (8 * n) + 1)):
+            x, r, dy, ds = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(4))
+            w = 1 + 0.1 * torch.randn(H, device=dev, dtype=dt)
+            b = None if a.rms else 0.1 * torch.randn(H, device=dev, dtype=dt)
+            y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
+            sets.append((x, r, w, b, dy, ds, s, mean, rstd))
+        it = iter(range(1 << 62))
+
+        def fwd():
+            x, r, w, b, *_ = sets[next(it) % len(sets)]
+            ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
+
+        def bwd():
+            x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
+            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
+
+        tf, tb = common.graph_time(fwd, dev), common.graph_time(bwd, dev)
+        gf, gb = 4 * n / tf / 1e9, 4 * n / tb / 1e9
+        gfb = 8 * n / (tf + tb) / 1e9
+        print(f"values={tag:>7} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: "
+              f"fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})  bwd {gb:5.0f} ({gb / ceiling:.2f})  "
+              f"fwd+bwd {gfb:5.0f} ({gfb / ceiling:.2f})  [ceiling {ceiling:.0f}]", flush=True)
+
+
+def once(a, dev, dt):
+    from fusedops import reference
+    for shape in a.shapes.split(","):
+        T, H = map(int, shape.split("x"))
+        x, r, dy, ds = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(4))
+        w = torch.randn(H, device=dev, dtype=dt)
+        b = None if a.rms else torch.randn(H, device=dev, dtype=dt)
+        y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
+        ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
+        torch.compile(lambda *t: reference.add_norm(*t, 1e-5, a.rms))(x, r, w, b)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
