@@ -275,14 +275,18 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
     const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
-    float xhat[NV][VEC], g[NV][VEC], ds[NV][VEC];
+    // The row stays in registers as loaded (16-bit packs take half the
+    // registers of fp32 values); xhat and g are recomputed after the
+    // reduction, which is cheaper than the occupancy fp32 copies would cost.
+    Pack<S, VEC> sv[NV], dsv[NV];
+    Pack<T, VEC> dyv[NV];
     Pack<W, VEC> w[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {  // loads only
       if (col(k) < cols) {
-        load_f<VEC>(sp + col(k), xhat[k]);
-        load_f<VEC>(dyp + col(k), g[k]);
-        if (dsp) load_f<VEC>(dsp + col(k), ds[k]);
+        sv[k] = load_pack<VEC>(sp + col(k));
+        dyv[k] = load_pack<VEC>(dyp + col(k));
+        if (dsp) dsv[k] = load_pack<VEC>(dsp + col(k));
         if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
       }
     }
@@ -292,14 +296,12 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
       if (col(k) < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dy = g[k][i], xh = (xhat[k][i] - mean) * rstd;
-          const float gi = p.weight ? dy * to_f(w[k].v[i]) : dy;
-          sums[0] += gi;
-          sums[1] += gi * xh;
+          const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
+          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          sums[0] += g;
+          sums[1] += g * xh;
           if (want_w) acc_w[(k * VEC + i) * team] += dy * xh;
           if (want_b) acc_b[(k * VEC + i) * team] += dy;
-          xhat[k][i] = xh;
-          g[k][i] = gi;
         }
       }
     }
@@ -311,12 +313,15 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
+        float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float o = rstd * (g[k][i] - mean_g - xhat[k][i] * mean_gx);
-          g[k][i] = dsp ? o + ds[k][i] : o;
+          const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
+          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          o[i] = rstd * (g - mean_g - xh * mean_gx);
+          if (dsp) o[i] += to_f(dsv[k].v[i]);
         }
-        store_f<VEC>(dx + col(k), g[k]);
+        store_f<VEC>(dx + col(k), o);
       }
     }
   }
@@ -577,7 +582,7 @@ void with_nv(int nv, F &&f) {
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(8), kBwdMaxValues * vec / 8, bwd_cap);
+  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(vec), kBwdMaxValues * vec / 8, bwd_cap);
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -624,7 +629,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
   const int device = current_device();
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(8), kFwdMaxValues * vec / 8, fwd_cap);
+  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(16 * vec / 8), kFwdMaxValues * vec / 8, fwd_cap);
   if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
