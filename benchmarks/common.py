@@ -404,9 +404,10 @@ def metadata(device, ceiling):
         "python": platform.python_version(),
         "fusedops": fusedops.__version__,
         "build_info": fusedops.build_info(),
-        # A copy of the tree without .git (a remote GPU box) can be told its commit.
-        "git_commit": (_cmd("git", "rev-parse", "HEAD")
-                       or os.environ.get("FUSEDOPS_COMMIT", "unknown")),
+        # FUSEDOPS_COMMIT first: a copy of the tree on a remote GPU box may carry
+        # no .git, or a stale one, and is told its commit by whoever sent it.
+        "git_commit": (os.environ.get("FUSEDOPS_COMMIT") or _cmd("git", "rev-parse", "HEAD")
+                       or "unknown"),
         "git_dirty": None if dirty is None else bool(dirty),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": timer_name(device),
