@@ -242,6 +242,10 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
 }
 
 // --- backward -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float4 add4(float4 a, const float *b) {
+  return make_float4(a.x + b[0], a.y + b[1], a.z + b[2], a.w + b[3]);
+}
 // Per row, with g = dy * w and xhat = (s - mean) * rstd:
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds
 // (g - mean(g) first: in rows of tiny variance rstd is huge, and rstd * g
@@ -253,19 +257,21 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
   // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
   // its rows. Shared memory rather than registers: two arrays fewer per
   // thread, and the occupancy that buys keeps more loads in flight. Every
-  // column belongs to one thread of the team, so the sums need no atomics;
-  // value i of chunk k of thread tid sits at slot (k * VEC + i) * team + tid,
-  // so that a warp's accesses fall in 32 different banks.
-  extern __shared__ float acc[];
+  // column belongs to one thread of the team, so the sums need no atomics.
+  // Values go in float4s: values 4q..4q+3 of thread tid (q over its NV * VEC
+  // values) are float4 number q * team + tid, so that a warp's 16-byte
+  // accesses are contiguous (no bank conflicts) and an update of 8 values is
+  // two LDS.128 + two STS.128 (ncu: scalar slots left the backward issue-bound).
+  extern __shared__ float4 acc[];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
   auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
-  const int slots = NV * VEC * team;
-  float *acc_w = acc + threadIdx.y * 2 * slots + tid, *acc_b = acc_w + slots;
+  constexpr int Q = NV * VEC / 4;  // float4s per thread per array
+  float4 *acc_w = acc + threadIdx.y * 2 * Q * team + tid, *acc_b = acc_w + Q * team;
   if (want_w || want_b) {
 #pragma unroll
-    for (int j = 0; j < NV * VEC; ++j) acc_w[j * team] = acc_b[j * team] = 0.f;
+    for (int q = 0; q < Q; ++q) acc_w[q * team] = acc_b[q * team] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
@@ -295,13 +301,21 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
-          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
-          sums[0] += g;
-          sums[1] += g * xh;
-          if (want_w) acc_w[(k * VEC + i) * team] += dy * xh;
-          if (want_b) acc_b[(k * VEC + i) * team] += dy;
+        for (int q = 0; q < VEC / 4; ++q) {
+          float dw[4], db[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = 4 * q + e;
+            const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
+            const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+            sums[0] += g;
+            sums[1] += g * xh;
+            dw[e] = dy * xh;
+            db[e] = dy;
+          }
+          const int at = (k * VEC / 4 + q) * team;
+          if (want_w) acc_w[at] = add4(acc_w[at], dw);
+          if (want_b) acc_b[at] = add4(acc_b[at], db);
         }
       }
     }
@@ -332,11 +346,13 @@ __global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_
   for (int which = 0; which < 2; ++which) {
     if (!(which == 0 ? want_w : want_b)) continue;
     float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
+    const float *sums = reinterpret_cast<const float *>(acc);
     for (int64_t c = flat; c < cols; c += nthreads) {
       const int chunk = (int)(c / VEC), k = chunk / team, owner = chunk % team;
-      const int slot = (k * VEC + (int)(c % VEC)) * team + owner;
+      const int j = k * VEC + (int)(c % VEC);  // the owner's value number
+      const int slot = ((j / 4) * team + owner) * 4 + j % 4;
       float sum = 0.f;
-      for (int t = 0; t < (int)blockDim.y; ++t) sum += acc[(t * 2 + which) * slots + slot];
+      for (int t = 0; t < (int)blockDim.y; ++t) sum += sums[(t * 2 + which) * Q * team * 4 + slot];
       out[c] = sum;
     }
   }
