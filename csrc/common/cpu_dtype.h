@@ -97,13 +97,13 @@ static inline float fo_sum(const float *restrict v, int64_t n) {
   return acc[0];
 }
 
-/* Sum of a[j] * b[j], same scheme. */
-static inline float fo_dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* Sum of (v[j] - c)^2, same scheme: the squared deviations of a row. */
+static inline float fo_sqdev(const float *restrict v, float c, int64_t n) {
   float acc[16] = {0};
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += a[j + k] * b[j + k];
-  for (; j < n; ++j) acc[j & 15] += a[j] * b[j];
+    for (int k = 0; k < 16; ++k) acc[k] += (v[j + k] - c) * (v[j + k] - c);
+  for (; j < n; ++j) acc[j & 15] += (v[j] - c) * (v[j] - c);
   for (int w = 8; w > 0; w >>= 1)
     for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
   return acc[0];

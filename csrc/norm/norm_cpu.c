@@ -34,18 +34,6 @@ static inline const float *as_f32(fo_dtype t, const void *row, float *scratch, i
   return scratch;
 }
 
-/* Sum of (v[j] - c)^2, 16 accumulators (see fo_sum). */
-static inline float fo_sqdev(const float *restrict v, float c, int64_t n) {
-  float acc[16] = {0};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += (v[j + k] - c) * (v[j + k] - c);
-  for (; j < n; ++j) acc[j & 15] += (v[j] - c) * (v[j] - c);
-  for (int w = 8; w > 0; w >>= 1)
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  return acc[0];
-}
-
 /* One row of the forward: three passes (s and its sum, squared deviations,
  * output), fp32 rows read and written in place; v, tmp: n floats of scratch
  * for the 16-bit conversions. */

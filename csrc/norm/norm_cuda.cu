@@ -4,15 +4,15 @@
  * reads dy, s, ds and writes dx (4 matrices); weight-sized terms are noise.
  *
  * Kernels
- *   fwd_regs / bwd_regs  a team of threads per row (a warp, or up to 1024
+ *   fwd_regs             a team of threads per row (a warp, or up to 1024
  *                        threads for wide rows; several teams per block, each
- *                        with its own named barrier) holds the row in fp32
- *                        registers: every element is read once and written
- *                        once, with 16-byte accesses, on a persistent grid
- *                        sized by the occupancy calculator. bwd_regs keeps its
- *                        dweight/dbias sums in registers across all its rows,
- *                        adds the block's teams in shared memory and writes one
- *                        partial row per block.
+ *                        with its own named barrier) holds the row in
+ *                        registers: every element read once and written once,
+ *                        with 16-byte accesses; one row per team, no loop.
+ *   bwd_regs             the same teams on a persistent grid (sized by the
+ *                        occupancy calculator); the row stays in registers as
+ *                        loaded, each team sums dweight/dbias over its rows in
+ *                        shared memory, and each block writes one partial row.
  *   fwd_loop / bwd_loop  any width or alignment: one block per row, passes over
  *                        the row re-read from L1/L2 (s read back after it is
  *                        written by the same thread).
@@ -31,16 +31,14 @@
 namespace {
 using namespace fo;
 
-// Register kernels: a thread holds `values` fp32 values of each row array
-// (NV chunks of VEC). The forward holds the row; the backward xhat, g, ds and
-// the dweight/dbias sums. Thread caps keep each instantiation within the
+// Register kernels: a thread holds `values` values of each row array (NV
+// chunks of VEC). The thread cap keeps each instantiation within the
 // registers a block of that size may use without spilling (1024 threads: 64
 // registers, 512: 128; tools/compile_cuda.sh fails on a spill).
 // Most values per thread: 32 (forward) and 16 (backward) for 16-bit x, half
 // that for fp32 x, whose chunks are half as wide.
 constexpr int kFwdMaxValues = 32, kBwdMaxValues = 16;
-constexpr int fwd_cap(int values) { return values <= 8 ? 1024 : 512; }
-constexpr int bwd_cap(int values) { return values <= 8 ? 1024 : 512; }
+constexpr int max_threads(int values) { return values <= 8 ? 1024 : 512; }
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 // The loop kernels: at most 512 threads a block (128 registers a thread),
@@ -56,7 +54,7 @@ constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 // --- forward ------------------------------------------------------------------------------
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(fwd_cap(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
+__global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
   __shared__ float red[kMaxTeams][2][32];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
@@ -252,7 +250,7 @@ __device__ __forceinline__ float4 add4(float4 a, const float *b) {
 // minus rstd * mean(g) would cancel to noise.)
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(bwd_cap(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
+__global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
   __shared__ float red[kMaxTeams][2][64];
   // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
   // its rows. Shared memory rather than registers: two arrays fewer per
@@ -519,15 +517,14 @@ Shape loop_shape(int64_t cols, int vec) {
 
 // The fewest chunks per thread (a power of two) that give at least `target`
 // values and a team within its thread cap, up to `max_values`.
-template <class Cap>
-Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values, Cap cap) {
+Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values) {
   Shape c{};
   c.vec = vec_ok ? vec : 1;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
   for (int nv = 1; vec_ok && nv * vec <= max_values; nv *= 2) {
     const int64_t team = std::max(32, round_up32((chunks + nv - 1) / nv));
     if (nv * vec < target && nv * vec * 2 <= max_values && team > 32) continue;
-    if (team <= cap(nv * vec)) {
+    if (team <= max_threads(nv * vec)) {
       c.team = (int)team;
       c.nv = nv;
       c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
@@ -598,7 +595,7 @@ void with_nv(int nv, F &&f) {
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(vec), kBwdMaxValues * vec / 8, bwd_cap);
+  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(vec), kBwdMaxValues * vec / 8);
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -645,7 +642,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
   const int device = current_device();
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(16 * vec / 8), kFwdMaxValues * vec / 8, fwd_cap);
+  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(16 * vec / 8), kFwdMaxValues * vec / 8);
   if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
