@@ -56,14 +56,25 @@ class Case:
     args requires_grad and adds upstream grads. impls maps "fusedops" and
     "eager" to functions of the args returning the op's outputs; the runner adds
     "compile" (torch.compile of eager). nbytes is the fewest bytes the op must
-    move in this direction (DESIGN.md, Kernels)."""
+    move in this direction (DESIGN.md, Kernels). A compute-bound case gives
+    flops instead: it is then reported in TFLOP/s against the matmul ceiling."""
     op: str
     shape: tuple
     dtype: torch.dtype
     direction: str
-    nbytes: int
+    nbytes: Optional[int]
     make_inputs: Callable[[bool], Inputs]
     impls: dict
+    flops: Optional[float] = None
+
+    @property
+    def unit(self):
+        return "TFLOP/s" if self.flops else "GB/s"
+
+    @property
+    def work(self):
+        """What one call does, in the unit's numerator (TFLOP or GB)."""
+        return self.flops / 1e12 if self.flops else self.nbytes / 1e9
 
     @property
     def label(self):
@@ -204,6 +215,19 @@ def _ceiling_bytes(device):
     return nbytes
 
 
+def matmul_ceiling(device):
+    """Dense matmul rate in TFLOP/s (bf16 8192^3 on a GPU, the ANCHORS.md
+    figure; fp32 1024^3 on the CPU): the ceiling of compute-bound cases."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = time_fn(lambda: a @ b, device)
+    del a, b
+    _free(device)
+    return {"TFLOP/s": 2 * n**3 / seconds / 1e12, "n": n, "dtype": DTYPE_NAMES[dtype],
+            "ms": seconds * 1e3}
+
+
 def copy_ceiling(device):
     """Device-to-device copy bandwidth in GB/s (bytes read + written): the most
     a memory-bound op can hope for on this machine, measured in this run."""
@@ -279,8 +303,28 @@ def _candidates(case, use_compile):
 
 def _row(case, impl, **extra):
     return {"op": case.op, "shape": _shape(case), "dtype": _dtype(case), "impl": impl,
-            "direction": case.direction, "ms": None, "GB/s": None, "frac_of_ceiling": None,
-            **extra}
+            "direction": case.direction, "unit": case.unit, "ms": None, case.unit: None,
+            "frac_of_ceiling": None, **extra}
+
+
+def rate(row, gpu=True):
+    """The row's rate in its unit: of the GPU time alone (CUDA-graph replay)
+    where measured and gpu is set, else of the timed call."""
+    unit = row.get("unit", "GB/s")
+    return (row.get("gpu_" + unit) if gpu else None) or row.get(unit)
+
+
+def _peak_bytes(call, device):
+    """Memory one call allocates at its peak beyond what is already held
+    (CUDA only: None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    call()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def _short_error(e):
@@ -289,9 +333,10 @@ def _short_error(e):
     return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
 
 
-def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
+def _time_impl(impl, fn, case, sets, next_set, device, ceiling):
     """Warm fn on every set outside timing (this is where compile happens),
-    then time it on the rotating sets. Any failure becomes an n/a row."""
+    then time it on the rotating sets. Any failure becomes an n/a row.
+    ceiling: the rate of the case's unit that the machine peaks at."""
     row = _row(case, impl)
     step = _step(fn, case.direction)
     call = lambda: step(next_set())  # noqa: E731
@@ -302,22 +347,27 @@ def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
         _sync(device)
         if impl == "compile":
             row["compile_s"] = round(time.perf_counter() - t0, 2)
+        peak = _peak_bytes(call, device)
+        if peak is not None:
+            row["peak_MiB"] = round(peak / MB, 1)
+        u = case.unit
         row["ms"] = time_fn(call, device) * 1e3
-        row["GB/s"] = case.nbytes / row["ms"] / 1e6
-        row["frac_of_ceiling"] = row["GB/s"] / ceiling_gbps
+        row[u] = case.work / row["ms"] * 1e3
+        row["frac_of_ceiling"] = row[u] / ceiling
         gpu = graph_time(call, device)
         if gpu is not None:
             row["gpu_ms"] = gpu * 1e3
-            row["gpu_GB/s"] = case.nbytes / row["gpu_ms"] / 1e6
-            row["gpu_frac_of_ceiling"] = row["gpu_GB/s"] / ceiling_gbps
+            row["gpu_" + u] = case.work / gpu
+            row["gpu_frac_of_ceiling"] = row["gpu_" + u] / ceiling
             row["host_bound"] = row["ms"] > HOST_BOUND * row["gpu_ms"]
     except Exception as e:  # noqa: BLE001  (record it and go on to the next impl)
         row["error"] = _short_error(e)
     return row
 
 
-def run_case(case, device, ceiling_gbps, use_compile=True):
-    """Time every impl of one case; returns one result row per impl."""
+def run_case(case, device, ceilings, use_compile=True):
+    """Time every impl of one case; returns one result row per impl.
+    ceilings: {unit: rate} as measured in this run."""
     torch.manual_seed(0)
     impls = _candidates(case, use_compile)
     try:
@@ -325,7 +375,7 @@ def run_case(case, device, ceiling_gbps, use_compile=True):
     except Exception as e:  # noqa: BLE001  (out of memory, say: every impl is n/a)
         _free(device)
         return [_row(case, impl, error=_short_error(e)) for impl in impls]
-    rows = [_time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps)
+    rows = [_time_impl(impl, fn, case, sets, next_set, device, ceilings[case.unit])
             for impl, fn in impls.items()]
     del sets, next_set
     _free(device)
@@ -339,7 +389,8 @@ def progress_start(i, n, case):
 
 
 def progress_end(rows):
-    parts = [f"{r['impl']} " + (f"{r['GB/s']:.0f} GB/s" if r["GB/s"] else "n/a") for r in rows]
+    parts = [f"{r['impl']} " + (f"{_fmt_rate(rate(r, False))} {r['unit']}" if rate(r, False) else "n/a")
+             for r in rows]
     notes = [f" (compiled in {r['compile_s']} s)" for r in rows if "compile_s" in r]
     print(", ".join(parts) + "".join(notes), file=sys.stderr, flush=True)
     for r in rows:
@@ -443,25 +494,32 @@ def _ratio(a, b):
     return None if not (a and b) else a / b
 
 
-def _gpu_gbps(row):
-    """GB/s of the GPU time alone (CUDA-graph replay) where measured, else of
-    the timed call."""
-    return row.get("gpu_GB/s") or row.get("GB/s")
+def _fmt_rate(v):
+    """Three significant digits or more: 2930, 81.4, 0.112."""
+    if v is None:
+        return "n/a"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.3f}"
 
 
 def _wall(row):
     # '*' marks a host-bound number (see HOST_BOUND).
-    gb = row.get("GB/s")
-    return "n/a" if gb is None else f"{gb:.0f}" + ("*" if row.get("host_bound") else "")
+    r = rate(row, gpu=False)
+    return "n/a" if r is None else _fmt_rate(r) + ("*" if row.get("host_bound") else "")
 
 
-def _table_row(key, g, ceiling):
+def _peaks(r):
+    peaks = [r[impl].get("peak_MiB") for impl in IMPLS]
+    return "/".join("n/a" if p is None else f"{p:.0f}" for p in peaks)
+
+
+def _table_row(key, g, ceilings, with_peaks):
     r = {impl: g.get(impl, {}) for impl in IMPLS}
-    gb = {impl: _gpu_gbps(r[impl]) for impl in IMPLS}
-    return [*key, _fmt(gb["fusedops"], ".0f"), _fmt(_ratio(gb["fusedops"], ceiling), ".2f"),
-            _fmt(gb["eager"], ".0f"), _fmt(gb["compile"], ".0f"),
-            _fmt(_ratio(gb["fusedops"], gb["eager"]), ".2f"),
-            _fmt(_ratio(gb["fusedops"], gb["compile"]), ".2f"), _wall(r["fusedops"])]
+    unit = next((x["unit"] for x in r.values() if "unit" in x), "GB/s")
+    v = {impl: rate(r[impl]) for impl in IMPLS}
+    row = [*key, unit, _fmt_rate(v["fusedops"]), _fmt(_ratio(v["fusedops"], ceilings.get(unit)), ".2f"),
+           _fmt_rate(v["eager"]), _fmt_rate(v["compile"]), _fmt(_ratio(v["fusedops"], v["eager"]), ".2f"),
+           _fmt(_ratio(v["fusedops"], v["compile"]), ".2f"), _wall(r["fusedops"])]
+    return row + ([_peaks(r)] if with_peaks else [])
 
 
 def _markdown(head, body, n_left):
@@ -484,20 +542,36 @@ def format_table(meta, rows):
     timed call by call, host overhead included."""
     c = meta["ceiling"]
     gpu = meta.get("device_type") == "cuda"
-    head = ["op", "shape", "dtype", "dir", "fusedops", "frac", "eager", "compile",
-            "vs eager", "vs compile", "fusedops wall"]
-    body = [_table_row(key, g, c["GB/s"]) for key, g in _by_impl(rows).items()]
+    peaks = any("peak_MiB" in r for r in rows)
+    head = ["op", "shape", "dtype", "dir", "unit", "fusedops", "frac", "eager", "compile",
+            "vs eager", "vs compile", "fusedops wall"] + (["peak MiB f/e/c"] if peaks else [])
+    body = [_table_row(key, g, ceilings(meta), peaks) for key, g in _by_impl(rows).items()]
     title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
              f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
-             f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write). "
-             "GB/s columns; frac = fusedops / ceiling; 'vs' = fusedops speedup.\n")
+             f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write)")
+    if meta.get("matmul_ceiling"):
+        m = meta["matmul_ceiling"]
+        title += f"; matmul ceiling {m['TFLOP/s']:.1f} TFLOP/s ({m['dtype']} {m['n']}^3)"
+    title += (". Rates in each row's unit; frac = fusedops / the ceiling of that unit; "
+              "'vs' = fusedops speedup.\n")
     if gpu:
-        title += ("GB/s from GPU time (each impl's calls replayed as a CUDA graph); 'fusedops wall' "
+        title += ("Rates from GPU time (each impl's calls replayed as a CUDA graph); 'fusedops wall' "
                   "times each call from the host, launch and autograd overhead included.\n")
+    if peaks:
+        title += ("peak MiB: memory one call allocates beyond its inputs, fusedops/eager/compile "
+                  "(fwd+bwd: the whole step, saved activations included).\n")
     if any(r.get("host_bound") for r in rows):
         title += (f"* host-bound: over {HOST_BOUND}x the time of the same calls replayed as a "
                   "CUDA graph (gpu_ms in results.json).\n")
-    return title + _markdown(head, body, n_left=4) + "\n"
+    return title + _markdown(head, body, n_left=5) + "\n"
+
+
+def ceilings(meta):
+    """{unit: ceiling rate} of a run's metadata."""
+    out = {"GB/s": meta["ceiling"]["GB/s"]}
+    if meta.get("matmul_ceiling"):
+        out["TFLOP/s"] = meta["matmul_ceiling"]["TFLOP/s"]
+    return out
 
 
 def write_plot(out_dir, meta, rows):
@@ -550,6 +624,6 @@ def _plot_panel(ax, groups, keys, direction):
     top = max([1.0] + [f for fr in fracs.values() for f in fr if f])
     ax.set_ylim(0, top * 1.08)  # headroom so the ceiling line is not the frame
     ax.set_xticks(range(len(keys)), labels, rotation=rot, fontsize=8)
-    ax.set_ylabel("fraction of copy ceiling (GPU time)")
+    ax.set_ylabel("fraction of ceiling (GPU time)")
     ax.set_title(direction, fontsize=10)
     ax.grid(axis="y", alpha=0.3)

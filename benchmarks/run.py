@@ -1,6 +1,7 @@
 """Run the fusedops benchmark suite: every benchmarks/bench_<op>.py, each impl
 (fusedops, eager, torch.compile), forward and forward+backward, against the copy
-ceiling measured in the same run.
+ceiling (memory-bound ops) or the matmul ceiling (compute-bound ones) measured
+in the same run.
 
     python -m benchmarks.run [--ops norm,...] [--quick] [--sweep | --no-sweep]
                              [--out DIR] [--no-compile] [--no-plot]
@@ -58,11 +59,11 @@ def collect_cases(ops, device, quick, sweep):
     return cases
 
 
-def run_cases(cases, device, ceiling, meta, out, use_compile):
+def run_cases(cases, device, meta, out, use_compile):
     rows = []
     for i, case in enumerate(cases, 1):
         common.progress_start(i, len(cases), case)
-        case_rows = common.run_case(case, device, ceiling["GB/s"], use_compile)
+        case_rows = common.run_case(case, device, common.ceilings(meta), use_compile)
         common.progress_end(case_rows)
         rows += case_rows
         common.write_json(out, meta, rows, complete=False)
@@ -91,9 +92,12 @@ def main(argv=None):
     cases = collect_cases(args.ops, device, args.quick, sweep)
     ceiling = common.copy_ceiling(device)
     meta = common.metadata(device, ceiling)
-    print(f"{meta['device']}: copy ceiling {ceiling['GB/s']:.0f} GB/s; {len(cases)} cases",
-          file=sys.stderr, flush=True)
-    rows = run_cases(cases, device, ceiling, meta, out, not args.no_compile)
+    msg = f"copy ceiling {ceiling['GB/s']:.0f} GB/s"
+    if any(c.flops for c in cases):
+        meta["matmul_ceiling"] = common.matmul_ceiling(device)
+        msg += f", matmul ceiling {meta['matmul_ceiling']['TFLOP/s']:.1f} TFLOP/s"
+    print(f"{meta['device']}: {msg}; {len(cases)} cases", file=sys.stderr, flush=True)
+    rows = run_cases(cases, device, meta, out, not args.no_compile)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     report(out, meta, rows, plot=not args.no_plot)
 

@@ -15,4 +15,13 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   m.def("add_norm_bwd(Tensor dy, Tensor? ds, Tensor s, Tensor? weight, Tensor? bias, "
         "Tensor mean, Tensor rstd, bool rms, bool need_dweight, bool need_dbias) "
         "-> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // Gated linear units (csrc/swiglu): out = act(gate) * up, activation "silu"
+  // (SwiGLU) or "gelu_tanh" (GeGLU). Backward recomputes act from gate. The
+  // packed forms take one [..., 2F] tensor holding [gate | up] and give an
+  // [..., F] output; their gradient is one [..., 2F] tensor.
+  m.def("glu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
+  m.def("glu_bwd(Tensor dout, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)");
+  m.def("glu_packed_fwd(Tensor gate_up, str activation) -> Tensor");
+  m.def("glu_packed_bwd(Tensor dout, Tensor gate_up, str activation) -> Tensor");
 }
+

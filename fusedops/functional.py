@@ -42,3 +42,78 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
 def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm over the last dimension of x."""
     return _add_norm(x, None, weight, None, eps, True, False)[0]
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, in one pass; the backward recomputes silu from gate."""
+    return _ops.glu_fwd(gate, up, "silu")
+
+
+def geglu(gate, up):
+    """gelu(gate, approximate="tanh") * up, in one pass."""
+    return _ops.glu_fwd(gate, up, "gelu_tanh")
+
+
+def swiglu_packed(gate_up):
+    """swiglu of [gate | up] packed along the last dimension (the output of one
+    fused gate+up projection): [..., 2F] -> [..., F]. Its gradient is one
+    [..., 2F] tensor, written in place of the two halves."""
+    return _ops.glu_packed_fwd(gate_up, "silu")
+
+
+def geglu_packed(gate_up):
+    """geglu of [gate | up] packed along the last dimension."""
+    return _ops.glu_packed_fwd(gate_up, "gelu_tanh")
+
+
+class _GLUMLP(torch.autograd.Function):
+    """down(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, saving x and the two
+    projections only: the activation h is recomputed in the backward (one
+    elementwise pass) instead of being kept from forward to backward.
+
+    Under autocast the inputs are cast to the autocast dtype here, as
+    torch.nn.Linear's would be, and the gradients cast back to each
+    parameter's own dtype."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation):
+        orig = (x, wg, wu, wd, bg, bu, bd)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            x, wg, wu, wd, bg, bu, bd = (t if t is None else t.to(dt) for t in orig)
+        with torch.autocast(dev, enabled=False):
+            gate = torch.nn.functional.linear(x, wg, bg)
+            up = torch.nn.functional.linear(x, wu, bu)
+            y = torch.nn.functional.linear(_ops.glu_fwd(gate, up, activation), wd, bd)
+        ctx.save_for_backward(x, gate, up, wg, wu, wd)
+        ctx.activation = activation
+        ctx.dtypes = [None if t is None else t.dtype for t in orig]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, wg, wu, wd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.to(gate.dtype).reshape(-1, dy.shape[-1])
+        h2 = _ops.glu_fwd(gate, up, ctx.activation).reshape(-1, gate.shape[-1])
+        dwd = dy2.t() @ h2 if need[3] else None
+        del h2
+        dgate, dup = _ops.glu_bwd((dy2 @ wd).reshape(gate.shape), gate, up, ctx.activation)
+        dgate2, dup2 = dgate.reshape(-1, gate.shape[-1]), dup.reshape(-1, gate.shape[-1])
+        dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
+        grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,
+                 dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None,
+                 dy2.sum(0) if need[6] else None]
+        return (*(g if g is None or g.dtype == t else g.to(t) for g, t in zip(grads, ctx.dtypes)), None)
+
+
+def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None,
+            activation="silu"):
+    """The Llama-family MLP, down_proj(act(gate_proj(x)) * up_proj(x)), with
+    torch.nn.functional.linear's weight layout ([out, in]). Keeps x and the two
+    projections for the backward, not the activation; activation "silu"
+    (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                         activation)

@@ -67,4 +67,42 @@ class RMSNorm(torch.nn.RMSNorm):
         return unflat(y), unflat(s)
 
 
-__all__ = ["LayerNorm", "RMSNorm"]
+class SwiGLU(torch.nn.Module):
+    """The MLP of Llama-family models, down_proj(silu(gate_proj(x)) * up_proj(x)),
+    with the parameter names of Hugging Face's LlamaMLP (gate_proj, up_proj,
+    down_proj: torch.nn.Linear), so its state_dict loads as is.
+
+    The gated product runs as one fused kernel, and the backward keeps x and
+    the two projections only, recomputing the activation instead of storing it
+    (eager PyTorch stores silu(gate) and the product as well).
+    activation="gelu_tanh" gives the GeGLU MLP."""
+
+    def __init__(self, hidden_size, intermediate_size, bias=False, activation="silu", device=None,
+                 dtype=None):
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"fusedops.nn.SwiGLU: activation is {activation!r}, "
+                             "expected 'silu' or 'gelu_tanh'")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation = activation
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x):
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if dtype not in _KERNEL_DTYPES:  # e.g. float64: torch's own math
+            from . import reference
+            return reference.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
+                                     self.activation)
+        return F.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, self.activation)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"activation={self.activation!r}")
+
+
+__all__ = ["LayerNorm", "RMSNorm", "SwiGLU"]

@@ -27,3 +27,24 @@ def add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32=False):
     else:
         y = F.layer_norm(cast(s), h, cast(weight), cast(bias), eps)
     return y.to(x.dtype), s
+
+
+def glu(gate, up, activation="silu"):
+    """act(gate) * up: SwiGLU (silu) or GeGLU (gelu_tanh)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"activation {activation!r}, expected 'silu' or 'gelu_tanh'")
+
+
+def glu_packed(gate_up, activation="silu"):
+    """glu of the two halves of the last dimension, [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return glu(gate, up, activation)
+
+
+def glu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="silu"):
+    """The Llama MLP: down_proj(act(gate_proj(x)) * up_proj(x))."""
+    h = glu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation)
+    return F.linear(h, w_down, b_down)

@@ -70,3 +70,17 @@ def poisoned(device):
 
 def maybe_poisoned(device, on):
     return poisoned(device) if on else contextlib.nullcontext()
+
+
+def bits(t):
+    """t's bits as integers, for bitwise comparison (NaN payloads included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def raises_unchanged(fn, args, match):
+    """fn(**args) raises a RuntimeError matching `match` and modifies no argument."""
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(RuntimeError, match=match):
+        fn(**args)
+    for k, v in before.items():
+        assert torch.equal(bits(args[k]), bits(v)), f"{k} was modified"

@@ -15,7 +15,7 @@ import torch
 
 import fusedops
 from fusedops import functional as FF, reference
-from conftest import maybe_poisoned, poisoned, randn, requires_cuda
+from conftest import bits, maybe_poisoned, poisoned, raises_unchanged, randn, requires_cuda
 from tolerances import assert_close_2x, default_scale
 
 ops = torch.ops.fusedops
@@ -184,11 +184,6 @@ def check_against_reference(c, inp, got):
             # eager's rounds at that size.
             scale = max(default_scale(ref[name]), math.sqrt(c.rows))
         assert_close_2x(got[name], ref[name], eager[name], f"{c} {name}", scale=scale)
-
-
-def bits(t):
-    """t's bits as integers, for bitwise comparison (NaN payloads included)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def assert_same_results(a, b, what):
@@ -414,15 +409,6 @@ def fwd_args(device, dtype=torch.float32, shape=(3, 8)):
     return dict(x=randn(shape, dtype, device), residual=randn(shape, dtype, device),
                 weight=randn(shape[-1], dtype, device), bias=randn(shape[-1], dtype, device),
                 eps=1e-5, rms=False, residual_in_fp32=False)
-
-
-def raises_unchanged(fn, args, match):
-    """fn(**args) raises a RuntimeError matching `match` and modifies no argument."""
-    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(RuntimeError, match=match):
-        fn(**args)
-    for k, v in before.items():
-        assert torch.equal(bits(args[k]), bits(v)), f"{k} was modified"
 
 
 FWD = r"fusedops\.add_norm_fwd: "

@@ -8,6 +8,16 @@
 
 #include "fo_types.h"
 
+/* Hot loops of the CPU kernels are compiled once per x86-64 level (v4:
+ * AVX-512, v3: AVX2 + FMA, and the baseline) and picked at load time: one
+ * binary, full-width vectors on whatever CPU it runs on. Everything a marked
+ * function calls is static inline and is compiled into each clone. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FO_CLONES
+#endif
+
 static inline float fo_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t fo_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 

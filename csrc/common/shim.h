@@ -88,6 +88,39 @@ inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64
   return (n <= 1 || t.stride(0) == 1) ? t : torch::stable::contiguous(t);
 }
 
+inline int64_t numel_rows(const Tensor &t) {
+  int64_t r = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) r *= t.size(d);
+  return r;
+}
+
+// The leading dims of a tensor (all but the last) as at most `max_levels`
+// (size, stride) levels, innermost first: dims of size 1 dropped, a dim merged
+// into the next-inner level when it is contiguous with it. ok is false when
+// more levels than that remain or the last dim is not unit-stride.
+struct RowLevels {
+  bool ok;
+  int n;
+  int64_t size[2], stride[2];
+};
+
+inline RowLevels row_levels(const Tensor &in, int max_levels) {
+  const int64_t nd = in.dim();
+  RowLevels lv{in.size(nd - 1) <= 1 || in.stride(nd - 1) == 1, 0, {0, 0}, {0, 0}};
+  for (int64_t d = nd - 2; lv.ok && d >= 0; --d) {
+    if (in.size(d) == 1) continue;
+    if (lv.n && in.stride(d) == lv.stride[lv.n - 1] * lv.size[lv.n - 1]) {
+      lv.size[lv.n - 1] *= in.size(d);
+    } else if (lv.n < max_levels) {
+      lv.size[lv.n] = in.size(d);
+      lv.stride[lv.n++] = in.stride(d);
+    } else {
+      lv.ok = false;
+    }
+  }
+  return lv;
+}
+
 // A tensor read as a [rows, cols] matrix with unit stride along cols and one
 // row stride (in elements). Views that fit are read in place (slices along
 // the last dimension, broadcast rows); anything else is copied, never misread.
@@ -97,33 +130,11 @@ struct RowView {
 };
 
 inline RowView row_view(const Tensor &in) {
-  const int64_t n = in.dim();
-  const int64_t cols = in.size(n - 1);
-  const int64_t rows = cols ? in.numel() / cols : [&] {
-    int64_t r = 1;
-    for (int64_t d = 0; d + 1 < n; ++d) r *= in.size(d);
-    return r;
-  }();
-  bool ok = cols <= 1 || in.stride(n - 1) == 1;
-  int64_t row_stride = -1, expect = -1;
-  for (int64_t d = n - 2; ok && d >= 0; --d) {
-    if (in.size(d) == 1) continue;
-    if (row_stride < 0) {
-      row_stride = in.stride(d);
-    } else if (in.stride(d) != expect) {
-      ok = false;
-    }
-    expect = in.stride(d) * in.size(d);
-  }
-  if (row_stride < 0) row_stride = cols;
-  if (ok) return {in, rows, cols, row_stride};
+  const int64_t cols = in.size(in.dim() - 1);
+  const int64_t rows = numel_rows(in);
+  const RowLevels lv = row_levels(in, 1);
+  if (lv.ok) return {in, rows, cols, lv.n ? lv.stride[0] : cols};
   return {torch::stable::contiguous(in), rows, cols, cols};
-}
-
-inline int64_t numel_rows(const Tensor &t) {
-  int64_t r = 1;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) r *= t.size(d);
-  return r;
 }
 
 inline Tensor empty_like_shape(const Tensor &like, ScalarType dtype) {

@@ -1,0 +1,97 @@
+/* Gated linear units, SwiGLU and GeGLU: the C interface between the kernels
+ * (swiglu_cpu.c, swiglu_cuda.cu) and the registration shim (swiglu_ops.cpp),
+ * and the activation math both kernels share.
+ *
+ *   forward:  out = act(gate) * up
+ *   backward: dgate = dout * up * act'(gate),  dup = dout * act(gate)
+ *             (act recomputed from gate: nothing but the inputs is saved)
+ *
+ * Both activations are g * sigmoid(a(g)):
+ *   silu:       a(g) = g
+ *   gelu_tanh:  a(g) = 2 k0 (g + k1 g^3)    (0.5 (1 + tanh z) = sigmoid(2 z))
+ * so act'(g) = s + g s (1 - s) a'(g) with s = sigmoid(a(g)), one formula for
+ * both, and no cancellation near 0 as 1 + tanh(z) would have.
+ *
+ * Matrices are [rows, cols] with unit stride along cols. Inputs are read
+ * through a two-level row map (fo_glu_rows), which covers any view whose
+ * leading dims collapse into at most two strides: a slice of a packed
+ * [gate | up] projection, a slice along the sequence of a [B, S, F] tensor.
+ * Outputs are written densely with one row stride. fp32 math throughout. */
+#pragma once
+#include "../common/fo_types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fo_glu_act { FO_GLU_SILU = 0, FO_GLU_GELU_TANH = 1 } fo_glu_act;
+
+/* Row r of a matrix starts (r / inner) * outer + (r % inner) * stride
+ * elements after its base. One stride: inner >= rows, outer unused. */
+typedef struct fo_glu_rows {
+  int64_t inner, stride, outer;
+} fo_glu_rows;
+
+typedef struct fo_glu_params {
+  int64_t rows, cols;
+  const void *gate, *up; /* [rows, cols] dtype, through gate_rows / up_rows */
+  const void *dout;      /* backward: [rows, cols] dtype, through dout_rows */
+  void *out;             /* forward: [rows, cols] dtype, row stride out_stride */
+  void *dgate, *dup;     /* backward: [rows, cols] dtype, row stride out_stride
+                            (2 cols with dup = dgate + cols when packed) */
+  fo_glu_rows gate_rows, up_rows, dout_rows;
+  int64_t out_stride;
+  fo_glu_act act;
+  fo_dtype dtype;
+} fo_glu_params;
+
+/* CPU (swiglu_cpu.c, OpenMP). */
+void fo_glu_fwd_cpu(const fo_glu_params *p);
+void fo_glu_bwd_cpu(const fo_glu_params *p);
+
+/* CUDA (swiglu_cuda.cu). Launch on `stream` (a cudaStream_t); return NULL on
+ * success or a static message naming the CUDA error. */
+const char *fo_glu_fwd_cuda(const fo_glu_params *p, void *stream);
+const char *fo_glu_bwd_cuda(const fo_glu_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* --- the activation math, shared by the C and CUDA kernels -------------------------------
+ * The includer defines FO_GLU_FN (function qualifiers), FO_GLU_EXP(x) (e^x in
+ * fp32) and FO_GLU_RCP(x) (1/x in fp32) before including this header with
+ * FO_GLU_MATH defined. */
+#ifdef FO_GLU_MATH
+#define FO_GLU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define FO_GLU_K1 0.044715f
+
+/* a(g) and a'(g) of the activation (see above). */
+FO_GLU_FN float fo_glu_arg(float g, int gelu, float *da) {
+  if (!gelu) {
+    *da = 1.f;
+    return g;
+  }
+  const float g2 = g * g;
+  *da = 2.f * FO_GLU_K0 * (1.f + 3.f * FO_GLU_K1 * g2);
+  return 2.f * FO_GLU_K0 * (g + FO_GLU_K1 * g2 * g);
+}
+
+/* sigmoid(a) = 1 / (1 + e^-a): 0 when e^-a overflows, NaN for NaN. */
+FO_GLU_FN float fo_glu_sigmoid(float a) { return FO_GLU_RCP(1.f + FO_GLU_EXP(-a)); }
+
+/* out = act(g) * u */
+FO_GLU_FN float fo_glu_fwd(float g, float u, int gelu) {
+  float da;
+  return g * fo_glu_sigmoid(fo_glu_arg(g, gelu, &da)) * u;
+}
+
+/* *dg = d * u * act'(g), *du = d * act(g) */
+FO_GLU_FN void fo_glu_bwd(float d, float g, float u, int gelu, float *dg, float *du) {
+  float da;
+  const float s = fo_glu_sigmoid(fo_glu_arg(g, gelu, &da));
+  const float act = g * s;
+  *du = d * act;
+  *dg = d * u * (s + act * (1.f - s) * da);
+}
+#endif

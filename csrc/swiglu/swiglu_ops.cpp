@@ -1,0 +1,194 @@
+// Registration shim for fusedops::glu_fwd / glu_bwd / glu_packed_fwd /
+// glu_packed_bwd: checks the arguments, allocates outputs, fills the C params
+// struct, calls the kernel.
+#include "../common/shim.h"
+#include "swiglu.h"
+
+#include <string>
+#include <tuple>
+
+namespace fusedops {
+namespace {
+
+fo_glu_act glu_act(const char *op, const std::string &activation) {
+  if (activation == "silu") return FO_GLU_SILU;
+  if (activation == "gelu_tanh") return FO_GLU_GELU_TANH;
+  STD_TORCH_CHECK(false, op, ": activation is '", activation, "', expected 'silu' or 'gelu_tanh'");
+  return FO_GLU_SILU;
+}
+
+// The row map of t's leading dims (two levels read in place; more: a copy,
+// which `t` is replaced by).
+fo_glu_rows glu_rows(Tensor &t) {
+  RowLevels lv = row_levels(t, 2);
+  if (!lv.ok) {
+    t = torch::stable::contiguous(t);
+    lv = row_levels(t, 2);
+  }
+  const int64_t rows = numel_rows(t);
+  if (lv.n == 0) return {rows, t.size(-1), 0};
+  if (lv.n == 1) return {rows, lv.stride[0], 0};
+  return {lv.size[0], lv.stride[0], lv.stride[1]};
+}
+
+void check_input(const char *op, const char *arg, const Tensor &t) {
+  STD_TORCH_CHECK(t.dim() >= 1, op, ": ", arg, " has shape ", shape_str(t),
+                  ", expected at least one dimension");
+  kernel_dtype(op, arg, t);
+}
+
+void check_like(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
+                const char *ref_arg) {
+  check_same_device(op, arg, t, ref, ref_arg);
+  STD_TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", arg, " has dtype ",
+                  dtype_name(t.scalar_type()), ", expected the dtype of ", ref_arg, " (",
+                  dtype_name(ref.scalar_type()), ")");
+}
+
+std::vector<int64_t> sizes_of(const Tensor &t) {
+  std::vector<int64_t> s(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) s[d] = t.size(d);
+  return s;
+}
+
+void run(const char *op, const Tensor &like, const fo_glu_params &p, bool bwd) {
+  if (p.rows == 0 || p.cols == 0) return;
+  if (like.is_cpu()) {
+    bwd ? fo_glu_bwd_cpu(&p) : fo_glu_fwd_cpu(&p);
+  } else {
+#ifdef FUSEDOPS_WITH_CUDA
+    torch::stable::accelerator::DeviceGuard guard(like.get_device_index());
+    void *stream = current_cuda_stream(like);
+    const char *err = bwd ? fo_glu_bwd_cuda(&p, stream) : fo_glu_fwd_cuda(&p, stream);
+    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+    STD_TORCH_CHECK(false, op, ": the input is on ", device_name(like),
+                    ", expected cpu (built without CUDA)");
+#endif
+  }
+}
+
+// Packed [gate | up] along the last dim: returns F, the width of each half.
+int64_t packed_half(const char *op, const char *arg, const Tensor &t) {
+  const int64_t w = t.size(-1);
+  STD_TORCH_CHECK(w % 2 == 0, op, ": ", arg, " has shape ", shape_str(t),
+                  ", expected an even last dimension ([gate | up] side by side)");
+  return w / 2;
+}
+
+// The params of a call on separate gate and up (and dout), checked.
+fo_glu_params glu_params(const char *op, Tensor &gate, Tensor &up, Tensor *dout,
+                         const std::string &activation) {
+  check_input(op, "gate", gate);
+  check_like(op, "up", up, gate, "gate");
+  check_same_shape(op, "up", up, gate, "gate");
+  if (dout) {
+    check_like(op, "dout", *dout, gate, "gate");
+    check_same_shape(op, "dout", *dout, gate, "gate");
+  }
+  fo_glu_params p{};
+  p.act = glu_act(op, activation);
+  p.dtype = kernel_dtype(op, "gate", gate);
+  p.rows = numel_rows(gate);
+  p.cols = gate.size(-1);
+  p.out_stride = p.cols;
+  p.gate_rows = glu_rows(gate);
+  p.up_rows = glu_rows(up);
+  p.gate = gate.data_ptr();
+  p.up = up.data_ptr();
+  if (dout) {
+    p.dout_rows = glu_rows(*dout);
+    p.dout = dout->data_ptr();
+  }
+  return p;
+}
+
+Tensor glu_fwd(Tensor gate, Tensor up, std::string activation) {
+  const char *op = "fusedops.glu_fwd";
+  fo_glu_params p = glu_params(op, gate, up, nullptr, activation);
+  Tensor out = empty_like_shape(gate, gate.scalar_type());
+  p.out = out.data_ptr();
+  run(op, gate, p, false);
+  return out;
+}
+
+std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::string activation) {
+  const char *op = "fusedops.glu_bwd";
+  fo_glu_params p = glu_params(op, gate, up, &dout, activation);
+  Tensor dgate = empty_like_shape(gate, gate.scalar_type());
+  Tensor dup = empty_like_shape(gate, gate.scalar_type());
+  p.dgate = dgate.data_ptr();
+  p.dup = dup.data_ptr();
+  run(op, gate, p, true);
+  return {dgate, dup};
+}
+
+// The params of a call on packed [gate | up] (and dout), checked; `half` is
+// gate_up's shape with the last dim halved (the shape of out and dout).
+fo_glu_params packed_params(const char *op, Tensor &gate_up, Tensor *dout,
+                            const std::string &activation, std::vector<int64_t> &half) {
+  check_input(op, "gate_up", gate_up);
+  fo_glu_params p{};
+  p.act = glu_act(op, activation);
+  p.dtype = kernel_dtype(op, "gate_up", gate_up);
+  p.cols = packed_half(op, "gate_up", gate_up);
+  p.rows = numel_rows(gate_up);
+  half = sizes_of(gate_up);
+  half.back() = p.cols;
+  if (dout) {
+    check_like(op, "dout", *dout, gate_up, "gate_up");
+    bool same = dout->dim() == gate_up.dim();
+    for (int64_t d = 0; same && d < dout->dim(); ++d) same = dout->size(d) == half[d];
+    STD_TORCH_CHECK(same, op, ": dout has shape ", shape_str(*dout),
+                    ", expected gate_up's shape with the last dimension halved");
+    p.dout_rows = glu_rows(*dout);
+    p.dout = dout->data_ptr();
+  }
+  p.gate_rows = p.up_rows = glu_rows(gate_up);
+  p.gate = gate_up.data_ptr();
+  p.up = static_cast<const char *>(p.gate) + p.cols * fo_dtype_size(p.dtype);
+  return p;
+}
+
+Tensor glu_packed_fwd(Tensor gate_up, std::string activation) {
+  const char *op = "fusedops.glu_packed_fwd";
+  std::vector<int64_t> half;
+  fo_glu_params p = packed_params(op, gate_up, nullptr, activation, half);
+  Tensor out = torch::stable::new_empty(gate_up, half, gate_up.scalar_type());
+  p.out = out.data_ptr();
+  p.out_stride = p.cols;
+  run(op, gate_up, p, false);
+  return out;
+}
+
+// dgate_up: [dgate | dup] side by side, rows of 2 cols.
+Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
+  const char *op = "fusedops.glu_packed_bwd";
+  std::vector<int64_t> half;
+  fo_glu_params p = packed_params(op, gate_up, &dout, activation, half);
+  Tensor dgate_up = empty_like_shape(gate_up, gate_up.scalar_type());
+  p.dgate = dgate_up.data_ptr();
+  p.dup = static_cast<char *>(p.dgate) + p.cols * fo_dtype_size(p.dtype);
+  p.out_stride = 2 * p.cols;
+  run(op, gate_up, p, true);
+  return dgate_up;
+}
+
+}  // namespace
+}  // namespace fusedops
+
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
+  m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
+  m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
+  m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
+  m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
+}
+
+#ifdef FUSEDOPS_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
+  m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
+  m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
+  m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
+}
+#endif

@@ -1,0 +1,60 @@
+"""Fake kernels and autograd for the gated-linear-unit ops (csrc/swiglu).
+
+Schemas (csrc/library.cpp):
+  glu_fwd(gate, up, activation) -> out
+  glu_bwd(dout, gate, up, activation) -> (dgate, dup)
+  glu_packed_fwd(gate_up, activation) -> out              # gate_up = [gate | up]
+  glu_packed_bwd(dout, gate_up, activation) -> dgate_up
+
+The forward saves only its inputs (which the caller keeps anyway); the
+backward recomputes the activation from them."""
+import torch
+
+_ops = torch.ops.fusedops
+
+
+def _half_shape(gate_up):
+    return (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.register_fake("fusedops::glu_fwd")
+def _glu_fwd_fake(gate, up, activation):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fusedops::glu_bwd")
+def _glu_bwd_fake(dout, gate, up, activation):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(gate, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("fusedops::glu_packed_fwd")
+def _glu_packed_fwd_fake(gate_up, activation):
+    return gate_up.new_empty(_half_shape(gate_up))
+
+
+@torch.library.register_fake("fusedops::glu_packed_bwd")
+def _glu_packed_bwd_fake(dout, gate_up, activation):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, ctx.activation = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _glu_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dgate, dup = _ops.glu_bwd(dout, gate, up, ctx.activation)
+    need_gate, need_up = ctx.needs_input_grad[:2]
+    return (dgate if need_gate else None), (dup if need_up else None), None
+
+
+def _glu_packed_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _ops.glu_packed_bwd(dout, gate_up, ctx.activation), None
+
+
+torch.library.register_autograd("fusedops::glu_fwd", _glu_backward, setup_context=_save_inputs)
+torch.library.register_autograd(
+    "fusedops::glu_packed_fwd", _glu_packed_backward, setup_context=_save_inputs)
