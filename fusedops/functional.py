@@ -100,8 +100,12 @@ class _GLUMLP(torch.autograd.Function):
         h2 = _ops.glu_fwd(gate, up, ctx.activation).reshape(-1, gate.shape[-1])
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
-        dgate, dup = _ops.glu_bwd((dy2 @ wd).reshape(gate.shape), gate, up, ctx.activation)
-        dgate2, dup2 = dgate.reshape(-1, gate.shape[-1]), dup.reshape(-1, gate.shape[-1])
+        # gate and up are needed no more: their gradients overwrite them. A
+        # second backward through this graph finds them changed and raises.
+        _ops.glu_bwd_((dy2 @ wd).reshape(gate.shape), gate, up, ctx.activation)
+        for t in (gate, up):  # the op does not bump their versions itself
+            torch.autograd.graph.increment_version(t)
+        dgate2, dup2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, gate.shape[-1])
         dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
         grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,
                  dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None,

@@ -12,6 +12,9 @@
  * has fewer than 2^32 vectors) and its row through the row map. No shared
  * memory, no persistent grid: one block per blockDim * U vectors.
  * Measured figures: docs/perf-notes.md. */
+#include <cstdlib>
+#include <cstring>
+
 #include "../common/cuda_utils.cuh"
 
 #define FO_GLU_MATH
@@ -24,7 +27,22 @@ namespace {
 using namespace fo;
 
 constexpr int kThreads = 256;
-constexpr int kFwdVectors = 4, kBwdVectors = 2;  // U: vectors per thread and direction
+// U, vectors per thread: forward and backward. FUSEDOPS_GLU_VECTORS="F,B"
+// overrides them (1, 2 or 4 each), for tuning (tools/glu_tune.py).
+constexpr int kFwdVectors = 4, kBwdVectors = 2;
+
+int vectors_per_thread(bool bwd) {
+  static const int fb[2] = {[] {
+    const char *e = getenv("FUSEDOPS_GLU_VECTORS");
+    return e ? atoi(e) : kFwdVectors;
+  }(), [] {
+    const char *e = getenv("FUSEDOPS_GLU_VECTORS");
+    const char *c = e ? strchr(e, ',') : nullptr;
+    return c ? atoi(c + 1) : kBwdVectors;
+  }()};
+  const int u = fb[bwd];
+  return u == 1 || u == 2 || u == 4 ? u : (bwd ? kBwdVectors : kFwdVectors);
+}
 
 // Element offset of row r (swiglu.h, fo_glu_rows).
 template <class I>
@@ -43,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I 
                     static_cast<const T *>(p.dout)};
   const fo_glu_rows *maps[3] = {&p.gate_rows, &p.up_rows, &p.dout_rows};
   const I v0 = (I)blockIdx.x * (kThreads * U) + threadIdx.x;
-  float x[NIN][U][VEC];  // gate, up (, dout)
+  Pack<T, VEC> x[NIN][U];  // gate, up (, dout), as loaded: half the registers of fp32
   I row[U], col[U];
 #pragma unroll
   for (int k = 0; k < U; ++k) {
@@ -52,16 +70,20 @@ __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I 
     col[k] = (v - row[k] * cvec) * VEC;
     if (v < nvec)
 #pragma unroll
-      for (int a = 0; a < NIN; ++a) load_f<VEC>(in[a] + row_off(*maps[a], row[k]) + col[k], x[a][k]);
+      for (int a = 0; a < NIN; ++a) x[a][k] = load_pack<VEC>(in[a] + row_off(*maps[a], row[k]) + col[k]);
   }
 #pragma unroll
   for (int k = 0; k < U; ++k) {
     if (v0 + (I)(k * kThreads) >= nvec) break;
     const int64_t o = (int64_t)row[k] * p.out_stride + col[k];
-    float (&g)[VEC] = x[0][k], (&u)[VEC] = x[1][k];
+    float g[VEC], u[VEC];
+    unpack(x[0][k], g);
+    unpack(x[1][k], u);
     if constexpr (BWD) {
+      float d[VEC];
+      unpack(x[2][k], d);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) fo_glu_bwd(x[NIN - 1][k][i], g[i], u[i], GELU, &g[i], &u[i]);
+      for (int i = 0; i < VEC; ++i) fo_glu_bwd(d[i], g[i], u[i], GELU, &g[i], &u[i]);
       store_f<VEC>(static_cast<T *>(p.dgate) + o, g);
       store_f<VEC>(static_cast<T *>(p.dup) + o, u);
     } else {
@@ -87,12 +109,20 @@ int vec_width(const fo_glu_params &p, bool bwd, int esize) {
   return 1;
 }
 
-template <bool BWD, class T, int VEC, class I, int GELU>
-void launch_one(const fo_glu_params &p, cudaStream_t stream) {
-  constexpr int U = BWD ? kBwdVectors : kFwdVectors;
+template <bool BWD, class T, int VEC, class I, int GELU, int U>
+void launch_u(const fo_glu_params &p, cudaStream_t stream) {
   const I cvec = (I)(p.cols / VEC), nvec = (I)p.rows * cvec;
   const unsigned blocks = (unsigned)((nvec + (I)(kThreads * U) - 1) / (I)(kThreads * U));
   glu_kernel<BWD, T, VEC, U, I, GELU><<<blocks, kThreads, 0, stream>>>(p, nvec, cvec);
+}
+
+template <bool BWD, class T, int VEC, class I, int GELU>
+void launch_one(const fo_glu_params &p, cudaStream_t stream) {
+  switch (vectors_per_thread(BWD)) {
+    case 1: return launch_u<BWD, T, VEC, I, GELU, 1>(p, stream);
+    case 2: return launch_u<BWD, T, VEC, I, GELU, 2>(p, stream);
+    default: return launch_u<BWD, T, VEC, I, GELU, 4>(p, stream);
+  }
 }
 
 template <bool BWD, class T, int VEC>

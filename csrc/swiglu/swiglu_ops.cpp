@@ -123,6 +123,19 @@ std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::str
   return {dgate, dup};
 }
 
+// In place: dgate over gate, dup over up (both dense), for a caller that has
+// no further use for them (fusedops.functional.glu_mlp's backward).
+void glu_bwd_(Tensor dout, Tensor gate, Tensor up, std::string activation) {
+  const char *op = "fusedops.glu_bwd_";
+  for (const Tensor *t : {&gate, &up})
+    STD_TORCH_CHECK(t->is_contiguous(), op, ": ", t == &gate ? "gate" : "up",
+                    " is not contiguous, expected a contiguous tensor (it is written in place)");
+  fo_glu_params p = glu_params(op, gate, up, &dout, activation);
+  p.dgate = gate.data_ptr();
+  p.dup = up.data_ptr();
+  run(op, gate, p, true);
+}
+
 // The params of a call on packed [gate | up] (and dout), checked; `half` is
 // gate_up's shape with the last dim halved (the shape of out and dout).
 fo_glu_params packed_params(const char *op, Tensor &gate_up, Tensor *dout,
@@ -180,6 +193,7 @@ Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
   m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
+  m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
 }
@@ -188,6 +202,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
   m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
+  m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
 }

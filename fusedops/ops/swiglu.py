@@ -3,6 +3,7 @@
 Schemas (csrc/library.cpp):
   glu_fwd(gate, up, activation) -> out
   glu_bwd(dout, gate, up, activation) -> (dgate, dup)
+  glu_bwd_(dout, gate!, up!, activation)                  # dgate over gate, dup over up
   glu_packed_fwd(gate_up, activation) -> out              # gate_up = [gate | up]
   glu_packed_bwd(dout, gate_up, activation) -> dgate_up
 
@@ -26,6 +27,11 @@ def _glu_fwd_fake(gate, up, activation):
 def _glu_bwd_fake(dout, gate, up, activation):
     return (torch.empty_like(gate, memory_format=torch.contiguous_format),
             torch.empty_like(gate, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("fusedops::glu_bwd_")
+def _glu_bwd_inplace_fake(dout, gate, up, activation):
+    return None
 
 
 @torch.library.register_fake("fusedops::glu_packed_fwd")
