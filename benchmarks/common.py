@@ -3,7 +3,9 @@ the copy ceiling measured in the same run, torch.compile of the eager baseline,
 and the results (JSON, a markdown table, a chart).
 
 A bench_<op>.py module only describes its cases (shapes, inputs, the fusedops
-and eager functions, the bytes the op must move); everything else is here.
+and eager functions, the bytes the op must move, and for compute-bound ops the
+FLOPs, judged against a matmul ceiling measured in the same run); everything
+else is here.
 """
 import datetime
 import inspect
@@ -55,8 +57,10 @@ class Case:
     make_inputs(grad) builds one input set; grad=True marks the differentiable
     args requires_grad and adds upstream grads. impls maps "fusedops" and
     "eager" to functions of the args returning the op's outputs; the runner adds
-    "compile" (torch.compile of eager). nbytes is the fewest bytes the op must
-    move in this direction (DESIGN.md, Kernels)."""
+    "compile" (torch.compile of eager); a case may add more (torch's own
+    kernels, say). nbytes is the fewest bytes the op must move in this direction
+    (DESIGN.md, Kernels). flops: for a compute-bound op, the FLOPs of this
+    direction; the case is then judged in TFLOP/s against the matmul ceiling."""
     op: str
     shape: tuple
     dtype: torch.dtype
@@ -64,6 +68,7 @@ class Case:
     nbytes: int
     make_inputs: Callable[[bool], Inputs]
     impls: dict
+    flops: Optional[int] = None
 
     @property
     def label(self):
@@ -216,6 +221,24 @@ def copy_ceiling(device):
     return {"GB/s": 2 * nbytes / seconds / 1e9, "buffer_bytes": nbytes, "ms": seconds * 1e3}
 
 
+def matmul_ceiling(device):
+    """Dense matmul rate in TFLOP/s, measured in this run: the most a
+    compute-bound op can hope for. bf16 8192^3 on a GPU (the ANCHORS.md figure;
+    halved while it does not fit); fp32 1024^3 on the CPU, where the kernels
+    compute in fp32."""
+    dtype, n = (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 1024)
+    if device.type == "cuda":
+        while n > 2048 and 3 * n * n * 2 + 1280 * MB > torch.cuda.mem_get_info(device)[0]:
+            n //= 2
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    seconds = time_fn(lambda: a @ b, device)
+    del a, b
+    _free(device)
+    return {"TFLOP/s": 2 * n ** 3 / seconds / 1e12, "n": n, "dtype": DTYPE_NAMES[dtype],
+            "ms": seconds * 1e3}
+
+
 def _free(device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -278,9 +301,22 @@ def _candidates(case, use_compile):
 
 
 def _row(case, impl, **extra):
+    flop = {"TFLOP/s": None} if case.flops else {}
     return {"op": case.op, "shape": _shape(case), "dtype": _dtype(case), "impl": impl,
-            "direction": case.direction, "ms": None, "GB/s": None, "frac_of_ceiling": None,
-            **extra}
+            "direction": case.direction, "ms": None, "GB/s": None, **flop,
+            "frac_of_ceiling": None, **extra}
+
+
+def _rates(case, ms, ceiling_gbps, ceiling_tflops, prefix=""):
+    """GB/s (and TFLOP/s for a FLOP case) of a call taking ms, and its fraction
+    of the ceiling that judges it: the matmul rate for a FLOP case, else copy."""
+    r = {prefix + "GB/s": case.nbytes / ms / 1e6}
+    if case.flops:
+        r[prefix + "TFLOP/s"] = case.flops / ms / 1e9
+        r[prefix + "frac_of_ceiling"] = _ratio(r[prefix + "TFLOP/s"], ceiling_tflops)
+    else:
+        r[prefix + "frac_of_ceiling"] = r[prefix + "GB/s"] / ceiling_gbps
+    return r
 
 
 def _short_error(e):
@@ -289,7 +325,7 @@ def _short_error(e):
     return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
 
 
-def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
+def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps, ceiling_tflops=None):
     """Warm fn on every set outside timing (this is where compile happens),
     then time it on the rotating sets. Any failure becomes an n/a row."""
     row = _row(case, impl)
@@ -303,21 +339,20 @@ def _time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps):
         if impl == "compile":
             row["compile_s"] = round(time.perf_counter() - t0, 2)
         row["ms"] = time_fn(call, device) * 1e3
-        row["GB/s"] = case.nbytes / row["ms"] / 1e6
-        row["frac_of_ceiling"] = row["GB/s"] / ceiling_gbps
+        row.update(_rates(case, row["ms"], ceiling_gbps, ceiling_tflops))
         gpu = graph_time(call, device)
         if gpu is not None:
             row["gpu_ms"] = gpu * 1e3
-            row["gpu_GB/s"] = case.nbytes / row["gpu_ms"] / 1e6
-            row["gpu_frac_of_ceiling"] = row["gpu_GB/s"] / ceiling_gbps
+            row.update(_rates(case, row["gpu_ms"], ceiling_gbps, ceiling_tflops, "gpu_"))
             row["host_bound"] = row["ms"] > HOST_BOUND * row["gpu_ms"]
     except Exception as e:  # noqa: BLE001  (record it and go on to the next impl)
         row["error"] = _short_error(e)
     return row
 
 
-def run_case(case, device, ceiling_gbps, use_compile=True):
-    """Time every impl of one case; returns one result row per impl."""
+def run_case(case, device, ceiling_gbps, use_compile=True, ceiling_tflops=None):
+    """Time every impl of one case; returns one result row per impl.
+    ceiling_tflops: the matmul ceiling, for FLOP cases."""
     torch.manual_seed(0)
     impls = _candidates(case, use_compile)
     try:
@@ -325,7 +360,7 @@ def run_case(case, device, ceiling_gbps, use_compile=True):
     except Exception as e:  # noqa: BLE001  (out of memory, say: every impl is n/a)
         _free(device)
         return [_row(case, impl, error=_short_error(e)) for impl in impls]
-    rows = [_time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps)
+    rows = [_time_impl(impl, fn, case, sets, next_set, device, ceiling_gbps, ceiling_tflops)
             for impl, fn in impls.items()]
     del sets, next_set
     _free(device)
@@ -339,7 +374,11 @@ def progress_start(i, n, case):
 
 
 def progress_end(rows):
-    parts = [f"{r['impl']} " + (f"{r['GB/s']:.0f} GB/s" if r["GB/s"] else "n/a") for r in rows]
+    def rate(r):
+        if r.get("TFLOP/s"):
+            return f"{r['TFLOP/s'] * 1e3:.1f} GFLOP/s" if r["TFLOP/s"] < 1 else f"{r['TFLOP/s']:.0f} TFLOP/s"
+        return f"{r['GB/s']:.0f} GB/s" if r["GB/s"] else "n/a"
+    parts = [f"{r['impl']} {rate(r)}" for r in rows]
     notes = [f" (compiled in {r['compile_s']} s)" for r in rows if "compile_s" in r]
     print(", ".join(parts) + "".join(notes), file=sys.stderr, flush=True)
     for r in rows:
@@ -477,26 +516,63 @@ def _markdown(head, body, n_left):
     return "\n".join([line(head), rule] + [line(b) for b in body])
 
 
+def _is_flop_row(row):
+    return "TFLOP/s" in row
+
+
 def format_table(meta, rows):
     """One row per (op, shape, dtype, direction); GB/s counts the fewest bytes
     the op must move. On a GPU the GB/s columns are GPU time (the calls replayed
     as a CUDA graph: kernels only, for every impl alike); 'wall' is fusedops
-    timed call by call, host overhead included."""
+    timed call by call, host overhead included. FLOP cases get a table of their
+    own (format_flop_table)."""
     c = meta["ceiling"]
     gpu = meta.get("device_type") == "cuda"
+    title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
+             f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n")
+    flop_rows = [r for r in rows if _is_flop_row(r)]
+    rows = [r for r in rows if not _is_flop_row(r)]
+    if not rows:
+        return title + format_flop_table(meta, flop_rows)
     head = ["op", "shape", "dtype", "dir", "fusedops", "frac", "eager", "compile",
             "vs eager", "vs compile", "fusedops wall"]
     body = [_table_row(key, g, c["GB/s"]) for key, g in _by_impl(rows).items()]
-    title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
-             f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
-             f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write). "
-             "GB/s columns; frac = fusedops / ceiling; 'vs' = fusedops speedup.\n")
+    title += (f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write). "
+              "GB/s columns; frac = fusedops / ceiling; 'vs' = fusedops speedup.\n")
     if gpu:
         title += ("GB/s from GPU time (each impl's calls replayed as a CUDA graph); 'fusedops wall' "
                   "times each call from the host, launch and autograd overhead included.\n")
     if any(r.get("host_bound") for r in rows):
         title += (f"* host-bound: over {HOST_BOUND}x the time of the same calls replayed as a "
                   "CUDA graph (gpu_ms in results.json).\n")
+    table = title + _markdown(head, body, n_left=4) + "\n"
+    return table + ("\n" + format_flop_table(meta, flop_rows) if flop_rows else "")
+
+
+def _gpu_tflops(row):
+    return row.get("gpu_TFLOP/s") or row.get("TFLOP/s")
+
+
+def format_flop_table(meta, rows):
+    """The FLOP cases: TFLOP/s of every impl (GPU time on a GPU, as above),
+    fusedops' fraction of the matmul ceiling and its speedup over each other
+    impl."""
+    m = meta["ceiling"].get("matmul") or {}
+    groups = _by_impl(rows)
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    others = [i for i in impls if i != "fusedops"]
+    head = (["op", "shape", "dtype", "dir", "fusedops", "frac"] + others
+            + [f"vs {o}" for o in others])
+    body = []
+    for key, g in groups.items():
+        tf = {i: _gpu_tflops(g.get(i, {})) for i in impls}
+        body.append([*key, _fmt(tf.get("fusedops"), ".3g"),
+                     _fmt(_ratio(tf.get("fusedops"), m.get("TFLOP/s")), ".2f")]
+                    + [_fmt(tf[o], ".3g") for o in others]
+                    + [_fmt(_ratio(tf.get("fusedops"), tf[o]), ".2f") for o in others])
+    title = (f"matmul ceiling {_fmt(m.get('TFLOP/s'), '.3g')} TFLOP/s ({m.get('dtype')} "
+             f"{m.get('n')}^3). TFLOP/s columns; frac = fusedops / ceiling; "
+             "'vs' = fusedops speedup.\n")
     return title + _markdown(head, body, n_left=4) + "\n"
 
 
@@ -510,7 +586,9 @@ def write_plot(out_dir, meta, rows):
     except ImportError:
         print("matplotlib not installed: no chart (pip install matplotlib)", file=sys.stderr)
         return None
-    groups = _by_impl(rows)
+    groups = _by_impl([r for r in rows if not _is_flop_row(r)])  # FLOP cases: table only
+    if not groups:
+        return None
     n = max(sum(k[3] == d for k in groups) for d in DIRECTIONS)
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * n + 2), 9), squeeze=False)
     for ax, direction in zip(axes[:, 0], DIRECTIONS):

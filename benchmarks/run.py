@@ -1,6 +1,7 @@
 """Run the fusedops benchmark suite: every benchmarks/bench_<op>.py, each impl
-(fusedops, eager, torch.compile), forward and forward+backward, against the copy
-ceiling measured in the same run.
+(fusedops, eager, torch.compile, and what a case adds), forward and
+forward+backward, against the copy ceiling (compute-bound ops: the matmul rate)
+measured in the same run.
 
     python -m benchmarks.run [--ops norm,...] [--quick] [--sweep | --no-sweep]
                              [--out DIR] [--no-compile] [--no-plot]
@@ -62,7 +63,8 @@ def run_cases(cases, device, ceiling, meta, out, use_compile):
     rows = []
     for i, case in enumerate(cases, 1):
         common.progress_start(i, len(cases), case)
-        case_rows = common.run_case(case, device, ceiling["GB/s"], use_compile)
+        tflops = ceiling["matmul"]["TFLOP/s"] if "matmul" in ceiling else None
+        case_rows = common.run_case(case, device, ceiling["GB/s"], use_compile, tflops)
         common.progress_end(case_rows)
         rows += case_rows
         common.write_json(out, meta, rows, complete=False)
@@ -90,8 +92,12 @@ def main(argv=None):
     sweep = args.sweep if args.sweep is not None else (device.type == "cuda" and not args.quick)
     cases = collect_cases(args.ops, device, args.quick, sweep)
     ceiling = common.copy_ceiling(device)
+    if any(c.flops for c in cases):
+        ceiling["matmul"] = common.matmul_ceiling(device)
     meta = common.metadata(device, ceiling)
-    print(f"{meta['device']}: copy ceiling {ceiling['GB/s']:.0f} GB/s; {len(cases)} cases",
+    matmul = (f", matmul {ceiling['matmul']['TFLOP/s']:.3g} TFLOP/s ({ceiling['matmul']['dtype']})"
+              if "matmul" in ceiling else "")
+    print(f"{meta['device']}: copy ceiling {ceiling['GB/s']:.0f} GB/s{matmul}; {len(cases)} cases",
           file=sys.stderr, flush=True)
     rows = run_cases(cases, device, ceiling, meta, out, not args.no_compile)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
