@@ -50,9 +50,10 @@ def rms_norm(x, weight=None, eps=1e-6):
 # --------------------------------------------------------------------------- attention
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Head dims the CUDA kernels take, and whether each direction is built; CPU
-# kernels take every head dim and dtype above.
-CUDA_HEAD_DIMS = ()
+# Head dims the CUDA kernels take (csrc/attention/attention_fwd_cuda.cu), and
+# below whether each direction is built; the CPU kernels take every head dim
+# and dtype above.
+CUDA_HEAD_DIMS = (64, 128)
 
 
 def _has_cuda_kernel(op):

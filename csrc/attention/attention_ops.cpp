@@ -16,6 +16,30 @@ Tensor unit_last(const Tensor &t) {
 
 fo_attn_strides bshd_strides(const Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+#ifdef FUSEDOPS_WITH_CUDA
+// The CUDA kernels move 16-byte chunks: a 16-byte aligned base and strides
+// that are multiples of 8 elements. Other inputs are copied (clone keeps a
+// dense layout's strides, all multiples of D, on fresh aligned storage).
+Tensor cuda_readable(const Tensor &t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  if (ok) return t;
+  Tensor c = torch::stable::clone(t);
+  bool dense_ok = true;
+  for (int64_t d = 0; d < 3; ++d) dense_ok = dense_ok && (c.size(d) <= 1 || c.stride(d) % 8 == 0);
+  return dense_ok ? c : torch::stable::contiguous(c);
+}
+
+// Head dims and dtypes attention_fwd_cuda.cu is built for.
+void check_cuda_fwd(const char *op, const Tensor &q) {
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Half || q.scalar_type() == ScalarType::BFloat16,
+                  op, ": q has dtype ", dtype_name(q.scalar_type()),
+                  ", expected float16 or bfloat16 on CUDA");
+  STD_TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, op, ": q has head_dim ", q.size(3),
+                  ", expected 64 or 128 on CUDA");
+}
+#endif
+
 void check_4d(const char *op, const char *arg, const Tensor &t) {
   STD_TORCH_CHECK(t.dim() == 4, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected 4 dimensions [batch, seq, heads, head_dim]");
@@ -74,19 +98,37 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
   Tensor out = torch::stable::new_empty(q, {B, Sq, Hq, D}, q.scalar_type());
   Tensor lse = torch::stable::new_empty(q, {B, Hq, Sq}, ScalarType::Float);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) check_cuda_fwd(op, q);
+#endif
   if (B == 0 || Sq == 0 || Hq == 0) return {out, lse};
   q = unit_last(q);
   k = unit_last(k);
   v = unit_last(v);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) {
+    q = cuda_readable(q);
+    k = cuda_readable(k);
+    v = cuda_readable(v);
+  }
+#endif
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.out = out.data_ptr();
   p.out_st = bshd_strides(out);
   p.lse = static_cast<float *>(lse.data_ptr());
   p.lse_st = {lse.stride(0), lse.stride(2), lse.stride(1)};
-  STD_TORCH_CHECK(q.is_cpu(), op, ": q is on ", device_name(q),
-                  ", expected cpu (no CUDA attention kernels in this build)");
-  fo_attn_fwd_cpu(&p);
+  if (q.is_cpu()) {
+    fo_attn_fwd_cpu(&p);
+  } else {
+#ifdef FUSEDOPS_WITH_CUDA
+    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    const char *err = fo_attn_fwd_cuda(&p, current_cuda_stream(q));
+    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+    STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
+#endif
+  }
   return {out, lse};
 }
 
@@ -139,7 +181,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
   p.dk_st = bshd_strides(dk);
   p.dv_st = bshd_strides(dv);
   STD_TORCH_CHECK(q.is_cpu(), op, ": q is on ", device_name(q),
-                  ", expected cpu (no CUDA attention kernels in this build)");
+                  ", expected cpu (no CUDA attention backward kernel yet)");
   p.splits = fo_attn_bwd_cpu_splits(&p);
   Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
   p.workspace = static_cast<float *>(workspace.data_ptr());
@@ -154,7 +196,13 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
   m.impl("attn_bwd", TORCH_BOX(&fusedops::attn_bwd));
 }
-// No CUDA registration yet: attention_fwd_cuda.cu / attention_bwd_cuda.cu do
-// not exist, so a CUDA tensor gets the dispatcher's "no kernel for CUDA" error
-// and fusedops.functional falls back (scaled_dot_product_attention) or raises
-// (flash_attention) before that.
+
+#ifdef FUSEDOPS_WITH_CUDA
+// Forward only: attention_bwd_cuda.cu does not exist yet, so attn_bwd on a CUDA
+// tensor gets the dispatcher's "no kernel for CUDA" error, and
+// fusedops.functional falls back (scaled_dot_product_attention) or raises
+// (flash_attention) before that whenever a gradient is needed.
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
+}
+#endif
