@@ -3,7 +3,9 @@ the copy ceiling measured in the same run, torch.compile of the eager baseline,
 and the results (JSON, a markdown table, a chart).
 
 A bench_<op>.py module only describes its cases (shapes, inputs, the fusedops
-and eager functions, the bytes the op must move); everything else is here.
+and eager functions, the bytes the op must move, and for compute-bound ops the
+FLOPs, judged against a matmul ceiling measured in the same run); everything
+else is here.
 """
 import datetime
 import inspect
@@ -55,7 +57,8 @@ class Case:
     make_inputs(grad) builds one input set; grad=True marks the differentiable
     args requires_grad and adds upstream grads. impls maps "fusedops" and
     "eager" to functions of the args returning the op's outputs; the runner adds
-    "compile" (torch.compile of eager). nbytes is the fewest bytes the op must
+    "compile" (torch.compile of eager); a case may add more (torch's own
+    kernels, say: they show in the table of FLOP cases). nbytes is the fewest bytes the op must
     move in this direction (DESIGN.md, Kernels). A compute-bound case gives
     flops instead: it is then reported in TFLOP/s against the matmul ceiling."""
     op: str
@@ -507,19 +510,32 @@ def _wall(row):
     return "n/a" if r is None else _fmt_rate(r) + ("*" if row.get("host_bound") else "")
 
 
-def _peaks(r):
-    peaks = [r[impl].get("peak_MiB") for impl in IMPLS]
+def _peaks(r, impls):
+    peaks = [r.get(impl, {}).get("peak_MiB") for impl in impls]
     return "/".join("n/a" if p is None else f"{p:.0f}" for p in peaks)
 
 
-def _table_row(key, g, ceilings, with_peaks):
-    r = {impl: g.get(impl, {}) for impl in IMPLS}
-    unit = next((x["unit"] for x in r.values() if "unit" in x), "GB/s")
-    v = {impl: rate(r[impl]) for impl in IMPLS}
-    row = [*key, unit, _fmt_rate(v["fusedops"]), _fmt(_ratio(v["fusedops"], ceilings.get(unit)), ".2f"),
-           _fmt_rate(v["eager"]), _fmt_rate(v["compile"]), _fmt(_ratio(v["fusedops"], v["eager"]), ".2f"),
-           _fmt(_ratio(v["fusedops"], v["compile"]), ".2f"), _wall(r["fusedops"])]
-    return row + ([_peaks(r)] if with_peaks else [])
+def _table_row(key, g, ceiling, impls, with_peaks):
+    """fusedops' rate, its fraction of the ceiling, every other impl's rate,
+    fusedops' speedup over each, its host-timed rate (and peak memory)."""
+    v = {impl: rate(g.get(impl, {})) for impl in impls}
+    others = impls[1:]
+    row = ([*key, _fmt_rate(v["fusedops"]), _fmt(_ratio(v["fusedops"], ceiling), ".2f")]
+           + [_fmt_rate(v[o]) for o in others]
+           + [_fmt(_ratio(v["fusedops"], v[o]), ".2f") for o in others] + [_wall(g.get("fusedops", {}))])
+    return row + ([_peaks(g, impls)] if with_peaks else [])
+
+
+def _table(rows, ceiling, unit):
+    """Markdown table of the rows of one unit: one line per (op, shape, dtype,
+    direction), the impls in the order first seen (fusedops first)."""
+    impls = ["fusedops"] + [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "fusedops"]
+    peaks = any("peak_MiB" in r for r in rows)
+    head = (["op", "shape", "dtype", "dir", "fusedops", "frac"] + impls[1:]
+            + [f"vs {i}" for i in impls[1:]] + ["fusedops wall"]
+            + ([f"peak MiB {'/'.join(i[0] if i in IMPLS else i for i in impls)}"] if peaks else []))
+    body = [_table_row(key, g, ceiling, impls, peaks) for key, g in _by_impl(rows).items()]
+    return f"{unit}:\n" + _markdown(head, body, n_left=4) + "\n"
 
 
 def _markdown(head, body, n_left):
@@ -536,34 +552,33 @@ def _markdown(head, body, n_left):
 
 
 def format_table(meta, rows):
-    """One row per (op, shape, dtype, direction); GB/s counts the fewest bytes
-    the op must move. On a GPU the GB/s columns are GPU time (the calls replayed
-    as a CUDA graph: kernels only, for every impl alike); 'wall' is fusedops
-    timed call by call, host overhead included."""
+    """A table per unit (GB/s: the fewest bytes the op must move; TFLOP/s), one
+    line per (op, shape, dtype, direction). On a GPU the rates are GPU time
+    (the calls replayed as a CUDA graph: kernels only, for every impl alike);
+    'wall' is fusedops timed call by call, host overhead included."""
     c = meta["ceiling"]
     gpu = meta.get("device_type") == "cuda"
-    peaks = any("peak_MiB" in r for r in rows)
-    head = ["op", "shape", "dtype", "dir", "unit", "fusedops", "frac", "eager", "compile",
-            "vs eager", "vs compile", "fusedops wall"] + (["peak MiB f/e/c"] if peaks else [])
-    body = [_table_row(key, g, ceilings(meta), peaks) for key, g in _by_impl(rows).items()]
     title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
              f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
              f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write)")
     if meta.get("matmul_ceiling"):
         m = meta["matmul_ceiling"]
         title += f"; matmul ceiling {m['TFLOP/s']:.1f} TFLOP/s ({m['dtype']} {m['n']}^3)"
-    title += (". Rates in each row's unit; frac = fusedops / the ceiling of that unit; "
-              "'vs' = fusedops speedup.\n")
+    title += (". Memory-bound cases in GB/s, compute-bound ones in TFLOP/s; frac = fusedops / "
+              "the ceiling of that unit; 'vs' = fusedops speedup.\n")
     if gpu:
         title += ("Rates from GPU time (each impl's calls replayed as a CUDA graph); 'fusedops wall' "
                   "times each call from the host, launch and autograd overhead included.\n")
-    if peaks:
-        title += ("peak MiB: memory one call allocates beyond its inputs, fusedops/eager/compile "
-                  "(fwd+bwd: the whole step, saved activations included).\n")
+    if any("peak_MiB" in r for r in rows):
+        title += ("peak MiB: memory one call allocates beyond its inputs, per impl in column order "
+                  "(f/e/c: fusedops/eager/compile; fwd+bwd: the whole step, saved activations "
+                  "included).\n")
     if any(r.get("host_bound") for r in rows):
         title += (f"* host-bound: over {HOST_BOUND}x the time of the same calls replayed as a "
                   "CUDA graph (gpu_ms in results.json).\n")
-    return title + _markdown(head, body, n_left=5) + "\n"
+    tables = [_table([r for r in rows if r.get("unit", "GB/s") == u], ceilings(meta).get(u), u)
+              for u in ("GB/s", "TFLOP/s") if any(r.get("unit", "GB/s") == u for r in rows)]
+    return title + "\n".join(tables)
 
 
 def ceilings(meta):
@@ -584,7 +599,9 @@ def write_plot(out_dir, meta, rows):
     except ImportError:
         print("matplotlib not installed: no chart (pip install matplotlib)", file=sys.stderr)
         return None
-    groups = _by_impl(rows)
+    groups = _by_impl([r for r in rows if r.get("unit", "GB/s") == "GB/s"])  # FLOP cases: table only
+    if not groups:
+        return None
     n = max(sum(k[3] == d for k in groups) for d in DIRECTIONS)
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * n + 2), 9), squeeze=False)
     for ax, direction in zip(axes[:, 0], DIRECTIONS):

@@ -25,5 +25,18 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   m.def("glu_bwd_(Tensor dout, Tensor(a!) gate, Tensor(b!) up, str activation) -> ()");
   m.def("glu_packed_fwd(Tensor gate_up, str activation) -> Tensor");
   m.def("glu_packed_bwd(Tensor dout, Tensor gate_up, str activation) -> Tensor");
+  // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
+  // heads, head_dim] tensors read through their strides (last dim unit-stride;
+  // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a
+  // multiple of Hkv (grouped-query). causal is torch SDPA's is_causal: the
+  // top-left mask tril(ones(Sq, Sk)). out is contiguous [B, Sq, Hq, D] in q's
+  // dtype, lse fp32 [B, Hq, Sq] (natural log). deterministic is not used by the
+  // forward: it is recorded for the backward (fusedops/ops/attention.py).
+  m.def("attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, "
+        "bool deterministic=False) -> (Tensor out, Tensor lse)");
+  // Gradient of attn_fwd from out and lse; dq, dk, dv contiguous, shaped as
+  // q, k, v. deterministic: bitwise-repeatable results.
+  m.def("attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "float scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 

@@ -48,3 +48,23 @@ def glu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activa
     """The Llama MLP: down_proj(act(gate_proj(x)) * up_proj(x))."""
     h = glu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation)
     return F.linear(h, w_down, b_down)
+
+
+def attention(q, k, v, causal=False, scale=None, return_lse=False):
+    """softmax(scale * q k^T) v on (B, S, H, D) tensors, the S x S matrix
+    materialised, in the inputs' dtype. k and v have Hkv heads, Hq a multiple
+    of Hkv: q head h reads k/v head h // (Hq // Hkv). causal: torch SDPA's
+    is_causal, the top-left mask tril(ones(Sq, Sk)). Returns out (B, Sq, Hq, D),
+    and with return_lse the logsumexp of each score row, (B, Hq, Sq) (-inf and
+    out = 0 for a row with no key)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    out = (s.softmax(-1) @ v).transpose(1, 2)
+    return (out, s.logsumexp(-1)) if return_lse else out

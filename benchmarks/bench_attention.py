@@ -1,0 +1,99 @@
+"""Attention: out = softmax(scale q k^T) v, causal and not, on (B, S, H, D)
+tensors (the layout fusedops and FlashAttention use; torch's SDPA gets the
+(B, H, S, D) transposed views, which its kernels read in place).
+
+Impls: fusedops.functional.flash_attention, eager fusedops.reference.attention
+(the S x S matrix materialised), torch.compile of the latter (added by common);
+on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
+the CPU torch's SDPA as dispatched (its C++ flash kernel).
+
+FLOPs (ANCHORS.md): 4 B H S^2 D forward, halved when causal; fwd+bwd 3.5x the
+forward. Judged in TFLOP/s against the matmul rate measured in the same run
+(bf16 on a GPU; fp32 on the CPU, where the kernels compute in fp32).
+"""
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import Case, Inputs
+from fusedops import functional, reference
+
+FLOP_FACTOR = {"fwd": 1.0, "fwd+bwd": 3.5}
+# (B, H, S, D, causal): the ANCHORS.md rows.
+GPU_SHAPES = [(16, 16, 1024, 64, False), (16, 16, 1024, 64, True),
+              (8, 16, 2048, 128, False), (8, 16, 2048, 128, True),
+              (4, 16, 4096, 128, False), (4, 16, 4096, 128, True),
+              (2, 16, 8192, 128, False), (1, 16, 16384, 128, True),
+              (4, 32, 4096, 64, False), (4, 32, 4096, 64, True)]
+# A second or so per call on 2 cores.
+CPU_SHAPES = [(2, 8, 1024, 64, False), (2, 8, 1024, 64, True), (1, 8, 1024, 128, False),
+              (1, 8, 2048, 64, True)]
+# Sequence-length sweep (--sweep): B x S fixed, head dim 128, causal.
+SWEEP_SEQ = [512, 1024, 2048, 4096, 8192, 16384]
+SWEEP_TOKENS = {"cuda": 32768, "cpu": 4096}
+
+
+def _sdpa(backend):
+    """torch's SDPA on (B, S, H, D) tensors, with one backend forced (None:
+    torch's own choice)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q, k, v, causal):
+        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if backend is None:
+            return F.scaled_dot_product_attention(*args, is_causal=causal).transpose(1, 2)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(*args, is_causal=causal).transpose(1, 2)
+    return fn
+
+
+def _impls(device):
+    impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal),
+             "eager": lambda q, k, v, causal: reference.attention(q, k, v, causal)}
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend
+        impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
+        impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    else:
+        impls["sdpa"] = _sdpa(None)
+    return impls
+
+
+def _maker(B, H, S, D, causal, dtype, device):
+    def make(grad):
+        q, k, v = (torch.randn(B, S, H, D, dtype=dtype, device=device).requires_grad_(grad)
+                   for _ in range(3))
+        grads = (torch.randn(B, S, H, D, dtype=dtype, device=device),) if grad else None
+        return Inputs((q, k, v, causal), grads)
+    return make
+
+
+def _shapes(device, quick, sweep):
+    gpu = device.type == "cuda"
+    shapes = (GPU_SHAPES if gpu else CPU_SHAPES)[:2 if quick else None]
+    if sweep:
+        tokens = SWEEP_TOKENS["cuda" if gpu else "cpu"]
+        shapes = shapes + [(max(1, tokens // s), 16 if gpu else 4, s, 128, True)
+                           for s in SWEEP_SEQ if s <= tokens]
+    return list(dict.fromkeys(shapes))
+
+
+def _dtypes(device, quick):
+    if device.type == "cuda":
+        return [torch.bfloat16]
+    return [torch.float32] if quick else [torch.float32, torch.bfloat16]
+
+
+def cases(device, quick, sweep):
+    out = []
+    impls = _impls(device)
+    for B, H, S, D, causal in _shapes(device, quick, sweep):
+        flops_fwd = 4 * B * H * S * S * D // (2 if causal else 1)
+        for dtype in _dtypes(device, quick):
+            make = _maker(B, H, S, D, causal, dtype, device)
+            n = B * S * H * D * dtype.itemsize  # one (B, S, H, D) tensor
+            op = "attention causal" if causal else "attention"
+            # bytes: q, k, v in and out forward; + dout in, dq, dk, dv out backward
+            out += [Case(op, (B, H, S, D), dtype, d, (4 if d == "fwd" else 8) * n, make, impls,
+                         flops=int(FLOP_FACTOR[d] * flops_fwd))
+                    for d in FLOP_FACTOR]
+    return out

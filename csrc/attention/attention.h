@@ -1,0 +1,70 @@
+/* Attention (flash attention): the C interface between the kernels
+ * (attention_cpu.c, attention_*_cuda.cu) and the registration shim
+ * (attention_ops.cpp).
+ *
+ *   forward:  s = scale * q k^T (masked),  lse = logsumexp_j s,  out = softmax(s) v
+ *   backward: p = exp(s - lse), delta = rowsum(dout * out), dv = p^T dout,
+ *             ds = p * (dout v^T - delta), dq = scale * ds k, dk = scale * ds^T q
+ *
+ * Layout: q, out, dout, dq are [B, Sq, Hq, D]; k, v, dk, dv are [B, Sk, Hkv, D];
+ * each read or written through 64-bit element strides for batch, seq and head,
+ * unit stride along D (so (B, S, H, D) tensors and transposed (B, H, S, D) views
+ * alike). lse is fp32 [B, Hq, Sq] (natural log), strides for batch, head, seq.
+ * Grouped-query attention: q head h reads k/v head h / (Hq / Hkv).
+ *
+ * causal follows torch's scaled_dot_product_attention(is_causal=True): the
+ * top-left aligned mask tril(ones(Sq, Sk)), i.e. query i sees keys j <= i, for
+ * Sq != Sk too. A row with no visible key (only when Sk == 0) has out = 0 and
+ * lse = -inf, as torch gives. All math is fp32; inputs and outputs share one
+ * dtype. */
+#pragma once
+#include "../common/fo_types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fo_attn_strides {
+  int64_t batch, seq, head; /* in elements */
+} fo_attn_strides;
+
+typedef struct fo_attn_params {
+  int64_t B, Hq, Hkv, Sq, Sk, D;
+  const void *q, *k, *v;     /* inputs of both directions */
+  void *out;                 /* written by the forward, read by the backward */
+  float *lse;                /* [B, Hq, Sq] fp32: likewise */
+  const void *dout;          /* backward only: [B, Sq, Hq, D] */
+  void *dq, *dk, *dv;        /* backward only: written */
+  fo_attn_strides q_st, k_st, v_st, out_st, dout_st, dq_st, dk_st, dv_st;
+  fo_attn_strides lse_st;    /* .seq is the stride along Sq, .head along Hq */
+  float *workspace;          /* backward: fp32 scratch, size from fo_attn_bwd_*_workspace */
+  int64_t splits;            /* backward (CPU): key-tile splits, fo_attn_bwd_cpu_splits() */
+  float scale;
+  int causal;
+  int deterministic;         /* backward: bitwise-repeatable gradients */
+  fo_dtype dtype;
+} fo_attn_params;
+
+/* CPU (attention_cpu.c): C11 + OpenMP, tiled online softmax, O(S) extra memory.
+ * Always deterministic for a given thread count; with p->deterministic set
+ * the results do not depend on the thread count either. */
+void fo_attn_fwd_cpu(const fo_attn_params *p);
+/* The backward splits the key tiles of each (batch, kv head) into this many
+ * groups, each summing its own fp32 dq partial; the partials are then added
+ * in a fixed order. */
+int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p);
+/* Floats of p->workspace the CPU backward needs with p->splits set. */
+static inline int64_t fo_attn_bwd_cpu_workspace(const fo_attn_params *p) {
+  return (p->splits * p->D + 1) * p->B * p->Hq * p->Sq;
+}
+void fo_attn_bwd_cpu(const fo_attn_params *p);
+
+/* CUDA (attention_fwd_cuda.cu, attention_bwd_cuda.cu). Launch on `stream` (a
+ * cudaStream_t); return NULL on success or a static message naming the error.
+ * Registered for a device only once its file exists: see attention_ops.cpp. */
+const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
+const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif

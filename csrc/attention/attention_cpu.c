@@ -1,0 +1,399 @@
+/* Flash attention on the CPU: C11 + OpenMP, the tiled online-softmax
+ * algorithm of FlashAttention-2 with fp32 tiles in per-thread scratch. Math,
+ * layout and masking: attention.h.
+ *
+ * Forward: one task per (batch, q head, tile of BQ queries), K/V streamed in
+ * tiles of BK keys (causal: only the tiles a query of the tile can see);
+ * running max and sum per row, the output rescaled as the max grows.
+ * Backward: a pass for delta = rowsum(dout * out); then one task per (batch,
+ * kv head, split): the split's key tiles one after the other, dk/dv summed in
+ * the tile over every q head of the group and every query tile that sees it,
+ * dq tiles added into the split's own fp32 partial; last, the partials added
+ * in split order. No atomics, no S x S matrix: extra memory is the partials
+ * (splits x |dq| in fp32, splits = 1 when batch x kv heads fills the threads).
+ *
+ * FLOPs: 4 B Hq Sq Sk D forward (halved when causal), 2.5x that backward
+ * (the five tile products; S is recomputed). Every product goes through one
+ * register-blocked kernel (gemm_tile, 4 x 16 fp32 block: 8 AVX2 accumulators);
+ * exp is a polynomial exp2 so that the softmax loops vectorise too.
+ * Measured (2 Zen 4 cores): docs/perf-notes.md. */
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+#include "attention.h"
+#include "../common/cpu_dtype.h"
+
+/* -std=c11 turns floating-point contraction off; the tile products want FMA.
+ * The vector code is written out (v8f below); the SLP vectoriser only got in
+ * its way (it packed the four A values of gemm_tile into one register and
+ * shuffled them back out). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast", "no-tree-slp-vectorize")
+/* The v8f helpers below pass 32-byte vectors by value; they are static inline,
+ * so the ABI that this warns about never applies. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+/* Everything a clone calls must be compiled into it: a helper left out of line
+ * is built once, for the baseline (no AVX, no FMA). */
+#define FO_INLINE static inline __attribute__((always_inline))
+
+enum { BQ = 64, BK = 64 }; /* query and key tile sizes */
+#define LOG2E 1.4426950408889634f
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+static inline const void *elem(const void *base, fo_dtype t, int64_t off) {
+  return (const char *)base + off * fo_dtype_size(t);
+}
+
+/* Eight floats as one value (GNU C vector extension): each op below is one
+ * AVX instruction in the x86-64-v3 clone, two SSE ones in the baseline.
+ * aligned(4): loads and stores need no 32-byte alignment. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+FO_INLINE v8f v8_load(const float *p) { return *(const v8f *)p; }
+FO_INLINE void v8_store(float *p, v8f v) { *(v8f *)p = v; }
+FO_INLINE v8f v8_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; } /* constants */
+FO_INLINE v8f v8_select(v8i mask, v8f a, v8f b) { /* mask ? a : b, lane-wise */
+  return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+FO_INLINE v8i v8_iota(int64_t c0) {
+  const int32_t c = (int32_t)c0;
+  return (v8i){c, c + 1, c + 2, c + 3, c + 4, c + 5, c + 6, c + 7};
+}
+FO_INLINE float v8_hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+FO_INLINE float v8_hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* 2^x lane-wise for x <= 0 (and a little above), 0 below -126 (-inf too):
+ * exponent bits plus a degree-5 polynomial for 2^f on [0, 1) (relative error
+ * 1.5e-7). */
+FO_INLINE v8f v8_exp2(v8f x) {
+  const v8i under = x < v8_splat(-126.0f);
+  v8f xc = v8_select(under, v8_splat(-126.0f), x);
+  xc = v8_select(xc > v8_splat(127.0f), v8_splat(127.0f), xc);
+  const v8i t = __builtin_convertvector(xc + 127.0f, v8i); /* floor(xc) + 127: xc + 127 >= 1 */
+  const v8f f = xc - __builtin_convertvector(t - 127, v8f);
+  v8f p = v8_splat(0.0018762329f);
+  p = p * f + 0.0089925844f;
+  p = p * f + 0.055823606f;
+  p = p * f + 0.24015453f;
+  p = p * f + 0.69315296f;
+  p = p * f + 1.0f;
+  return v8_select(under, v8_splat(0.0f), p * (v8f)(t << 23));
+}
+
+FO_INLINE float exp2_scalar(float x) { return v8_exp2(v8_splat(x))[0]; }
+
+/* C[M, N] (+)= A[M, K] B[K, N]: A element (i, k) at A[i * rsa + k * csa], so
+ * that A may be a transposed tile; B and C row-major. M a multiple of 4, N of
+ * 16; K any. Each 4 x 16 block of C stays in eight vector registers across the
+ * K loop: per k, two loads of B, four broadcasts of A, eight FMAs. */
+FO_INLINE void gemm_tile(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
+                             int64_t csa, const float *restrict B, int64_t ldb,
+                             float *restrict C, int64_t ldc, int accumulate) {
+  for (int64_t i = 0; i < M; i += 4) {
+    for (int64_t j = 0; j < N; j += 16) {
+      float *c = C + i * ldc + j;
+      v8f c00 = v8_splat(0.0f), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+          c30 = c00, c31 = c00;
+      if (accumulate) {
+        c00 = v8_load(c), c01 = v8_load(c + 8);
+        c10 = v8_load(c + ldc), c11 = v8_load(c + ldc + 8);
+        c20 = v8_load(c + 2 * ldc), c21 = v8_load(c + 2 * ldc + 8);
+        c30 = v8_load(c + 3 * ldc), c31 = v8_load(c + 3 * ldc + 8);
+      }
+      const float *a = A + i * rsa, *b = B + j;
+      for (int64_t k = 0; k < K; ++k, a += csa, b += ldb) {
+        const v8f b0 = v8_load(b), b1 = v8_load(b + 8);
+        /* scalar * vector: one vbroadcastss each (a v8_splat here is built
+         * lane by lane, eight inserts) */
+        const float a0 = a[0], a1 = a[rsa], a2 = a[2 * rsa], a3 = a[3 * rsa];
+        c00 += a0 * b0, c01 += a0 * b1;
+        c10 += a1 * b0, c11 += a1 * b1;
+        c20 += a2 * b0, c21 += a2 * b1;
+        c30 += a3 * b0, c31 += a3 * b1;
+      }
+      v8_store(c, c00), v8_store(c + 8, c01);
+      v8_store(c + ldc, c10), v8_store(c + ldc + 8, c11);
+      v8_store(c + 2 * ldc, c20), v8_store(c + 2 * ldc + 8, c21);
+      v8_store(c + 3 * ldc, c30), v8_store(c + 3 * ldc + 8, c31);
+    }
+  }
+}
+
+/* n rows of a [.., D] operand into an fp32 tile [rows, ld] (row r at r * ld),
+ * widened from dtype t; columns D..ld keep what they hold (zeros from calloc). */
+FO_INLINE void load_rows(fo_dtype t, const void *base, int64_t row0_off, int64_t row_stride,
+                             int64_t n, int64_t D, float *tile, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r)
+    fo_load_row(t, elem(base, t, row0_off + r * row_stride), tile + r * ld, D);
+}
+
+/* The same, transposed: tile[d * ld + r] = row r, column d. tmp: D floats. */
+FO_INLINE void load_rows_t(fo_dtype t, const void *base, int64_t row0_off,
+                               int64_t row_stride, int64_t n, int64_t D, float *tile, int64_t ld,
+                               float *tmp) {
+  for (int64_t r = 0; r < n; ++r) {
+    fo_load_row(t, elem(base, t, row0_off + r * row_stride), tmp, D);
+    for (int64_t d = 0; d < D; ++d) tile[d * ld + r] = tmp[d];
+  }
+}
+
+static inline int64_t q_off(const fo_attn_strides *s, int64_t b, int64_t i, int64_t h) {
+  return b * s->batch + i * s->seq + h * s->head;
+}
+
+/* Last key (exclusive) that query rows [i0, i0 + n) can see. */
+static inline int64_t key_end(const fo_attn_params *p, int64_t i0, int64_t n) {
+  return p->causal ? min64(p->Sk, i0 + n) : p->Sk;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+typedef struct fwd_scratch {
+  float *q, *o;  /* [BQ, Dp] */
+  float *kt;     /* [Dp, BK]: K tile transposed */
+  float *v;      /* [BK, Dp] */
+  float *s;      /* [BQ, BK]: scores, then probabilities */
+  float *tmp;    /* [Dp] */
+  float m[BQ], l[BQ];
+} fwd_scratch;
+
+/* One tile of BQ query rows of one (batch, head). */
+FO_CLONES static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+                               fwd_scratch *w) {
+  const fo_dtype t = p->dtype;
+  const int64_t D = p->D, Dp = round_up(D, 16), hk = h / (p->Hq / p->Hkv);
+  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
+  const float scale2 = p->scale * LOG2E; /* scores in log2 units: exp2 */
+  load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
+  memset(w->o, 0, sizeof(float) * (size_t)(mq * Dp));
+  for (int64_t r = 0; r < mq; ++r) {
+    w->m[r] = -INFINITY;
+    w->l[r] = 0.0f;
+  }
+  const int64_t kend = key_end(p, i0, nq);
+  for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+    const int64_t nk = min64(BK, kend - j0), nk16 = round_up(nk, 16);
+    load_rows_t(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
+    load_rows(t, p->v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D, w->v, Dp);
+    gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->s, BK, 0);
+    for (int64_t r = 0; r < mq; ++r) {
+      float *s = w->s + r * BK;
+      /* visible: key j0 + c exists and (causal) j0 + c <= i0 + r */
+      const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
+      v8f mx = v8_splat(-INFINITY);
+      for (int64_t c = 0; c < nk16; c += 8) {
+        const v8f x = v8_select(v8_iota(c) < (int32_t)vis, v8_load(s + c) * scale2,
+                                v8_splat(-INFINITY));
+        v8_store(s + c, x);
+        mx = v8_select(x > mx, x, mx);
+      }
+      const float m_tile = v8_hmax(mx);
+      const float m_new = m_tile > w->m[r] ? m_tile : w->m[r];
+      const float shift = m_new == -INFINITY ? 0.0f : m_new; /* nothing visible yet */
+      const float alpha = exp2_scalar(w->m[r] - shift);
+      v8f acc = v8_splat(0.0f);
+      for (int64_t c = 0; c < nk16; c += 8) {
+        const v8f e = v8_exp2(v8_load(s + c) - shift);
+        v8_store(s + c, e);
+        acc += e;
+      }
+      const float sum = v8_hsum(acc);
+      w->l[r] = w->l[r] * alpha + sum;
+      w->m[r] = m_new;
+      if (alpha != 1.0f) {
+        float *o = w->o + r * Dp;
+        for (int64_t d = 0; d < Dp; ++d) o[d] *= alpha;
+      }
+    }
+    gemm_tile(mq, Dp, nk, w->s, BK, 1, w->v, Dp, w->o, Dp, 1);
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const float l = w->l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float *o = w->o + r * Dp;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    fo_store_row(t, (char *)p->out + q_off(&p->out_st, b, i0 + r, h) * fo_dtype_size(t), o, D);
+    p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] =
+        l > 0.0f ? (w->m[r] + log2f(l)) / LOG2E : -INFINITY;
+  }
+}
+
+static float *zalloc(int64_t n) { return calloc((size_t)n, sizeof(float)); }
+
+void fo_attn_fwd_cpu(const fo_attn_params *p) {
+  const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
+  const int64_t tasks = p->B * p->Hq * qtiles;
+#pragma omp parallel if (tasks > 1)
+  {
+    fwd_scratch w;
+    float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
+    w.q = buf;
+    w.o = w.q + BQ * Dp;
+    w.kt = w.o + BQ * Dp;
+    w.v = w.kt + BK * Dp;
+    w.s = w.v + BK * Dp;
+    w.tmp = w.s + BQ * BK;
+    /* dynamic: causal tiles differ in cost */
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t it = task % qtiles, bh = task / qtiles;
+      fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+    }
+    free(buf);
+  }
+}
+
+/* ---------------------------------------------------------------- backward */
+
+int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p) {
+  const int64_t ktiles = (p->Sk + BK - 1) / BK, heads = p->B * p->Hkv;
+  /* About two tasks per thread; deterministic: a fixed 16 in place of the
+   * thread count, so that the sums do not depend on it. */
+  const int64_t want = p->deterministic ? 16 : 2 * (int64_t)omp_get_max_threads();
+  const int64_t s = heads > 0 ? (want + heads - 1) / heads : 1;
+  return s < 1 ? 1 : min64(s, ktiles > 0 ? ktiles : 1);
+}
+
+/* delta[b, h, i] = sum_d dout * out: one fp32 per query row. */
+FO_CLONES static void bwd_delta(const fo_attn_params *p, int64_t row, float *delta, float *tmp) {
+  const fo_dtype t = p->dtype;
+  const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
+  float *x = tmp, *y = tmp + D;
+  fo_load_row(t, elem(p->dout, t, q_off(&p->dout_st, b, i, h)), x, D);
+  fo_load_row(t, elem(p->out, t, q_off(&p->out_st, b, i, h)), y, D);
+  for (int64_t d = 0; d < D; ++d) x[d] *= y[d];
+  delta[row] = fo_sum(x, D);
+}
+
+typedef struct bwd_scratch {
+  float *q, *dout, *dq; /* [BQ, Dp] */
+  float *k;             /* [BK, Dp] */
+  float *kt, *vt;       /* [Dp, BK] */
+  float *dk, *dv;       /* [BK, Dp] */
+  float *pr, *ds;       /* [BQ, BK]: probabilities; dp, then ds */
+  float *tmp;           /* [Dp] */
+} bwd_scratch;
+
+/* The contribution of one query tile (rows i0.., head h) to the key tile in w
+ * (keys j0.., nk of them): dk, dv in w; dq rows added into dq_part. */
+FO_CLONES static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+                               int64_t j0, int64_t nk, const float *delta, float *dq_part,
+                               bwd_scratch *w) {
+  const fo_dtype t = p->dtype;
+  const int64_t D = p->D, Dp = round_up(D, 16), nk16 = round_up(nk, 16);
+  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
+  const int64_t row0 = (b * p->Hq + h) * p->Sq + i0; /* of delta and dq_part */
+  const float scale2 = p->scale * LOG2E;
+  load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
+  load_rows(t, p->dout, q_off(&p->dout_st, b, i0, h), p->dout_st.seq, nq, D, w->dout, Dp);
+  gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->pr, BK, 0);    /* s = q k^T */
+  gemm_tile(mq, nk16, Dp, w->dout, Dp, 1, w->vt, BK, w->ds, BK, 0); /* dp = dout v^T */
+  for (int64_t r = 0; r < nq; ++r) {
+    const float lse2 = p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] * LOG2E;
+    const float dl = delta[row0 + r];
+    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
+    float *pr = w->pr + r * BK, *ds = w->ds + r * BK;
+    for (int64_t c = 0; c < nk16; c += 8) {
+      const v8i visible = v8_iota(c) < (int32_t)vis;
+      const v8f pc = v8_select(visible, v8_exp2(v8_load(pr + c) * scale2 - lse2), v8_splat(0.0f));
+      v8_store(pr + c, pc);
+      v8_store(ds + c, v8_select(visible, pc * (v8_load(ds + c) - dl), v8_splat(0.0f)));
+    }
+  }
+  /* rows nq..mq of pr / ds are never read: the products below sum over nq rows */
+  gemm_tile(nk16, Dp, nq, w->pr, 1, BK, w->dout, Dp, w->dv, Dp, 1); /* dv += p^T dout */
+  gemm_tile(nk16, Dp, nq, w->ds, 1, BK, w->q, Dp, w->dk, Dp, 1);    /* dk += ds^T q */
+  gemm_tile(mq, Dp, nk, w->ds, BK, 1, w->k, Dp, w->dq, Dp, 0);      /* dq tile = ds k */
+  for (int64_t r = 0; r < nq; ++r) {
+    float *dst = dq_part + (row0 + r) * D;
+    const float *src = w->dq + r * Dp;
+    for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
+  }
+}
+
+/* One task: key tiles split, split + splits, ... of (batch b, kv head hk). */
+FO_CLONES static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
+                               const float *delta, bwd_scratch *w) {
+  const fo_dtype t = p->dtype;
+  const int64_t D = p->D, Dp = round_up(D, 16), G = p->Hq / p->Hkv;
+  const int64_t ktiles = (p->Sk + BK - 1) / BK;
+  float *dq_part = p->workspace + split * p->B * p->Hq * p->Sq * D;
+  for (int64_t jt = split; jt < ktiles; jt += p->splits) {
+    const int64_t j0 = jt * BK, nk = min64(BK, p->Sk - j0), nk16 = round_up(nk, 16);
+    load_rows(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->k, Dp);
+    load_rows_t(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
+    load_rows_t(t, p->v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D, w->vt, BK, w->tmp);
+    memset(w->dk, 0, sizeof(float) * (size_t)(nk16 * Dp));
+    memset(w->dv, 0, sizeof(float) * (size_t)(nk16 * Dp));
+    /* causal: query i sees key j0 only from i = j0 on */
+    const int64_t i_start = p->causal ? j0 / BQ * BQ : 0;
+    for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+      for (int64_t i0 = i_start; i0 < p->Sq; i0 += BQ) bwd_pair(p, b, h, i0, j0, nk, delta, dq_part, w);
+    for (int64_t r = 0; r < nk; ++r) {
+      float *dk = w->dk + r * Dp;
+      for (int64_t d = 0; d < D; ++d) dk[d] *= p->scale;
+      fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, b, j0 + r, hk) * fo_dtype_size(t), dk, D);
+      fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, b, j0 + r, hk) * fo_dtype_size(t),
+                   w->dv + r * Dp, D);
+    }
+  }
+}
+
+/* dq[row] = scale * (sum over splits of the partials, in split order). */
+FO_CLONES static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
+  const fo_dtype t = p->dtype;
+  const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
+  const int64_t part = p->B * p->Hq * p->Sq * D;
+  const float *src = p->workspace + row * D;
+  for (int64_t d = 0; d < D; ++d) acc[d] = src[d];
+  for (int64_t s = 1; s < p->splits; ++s)
+    for (int64_t d = 0; d < D; ++d) acc[d] += src[s * part + d];
+  for (int64_t d = 0; d < D; ++d) acc[d] *= p->scale;
+  fo_store_row(t, (char *)p->dq + q_off(&p->dq_st, b, i, h) * fo_dtype_size(t), acc, D);
+}
+
+void fo_attn_bwd_cpu(const fo_attn_params *p) {
+  const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
+  float *delta = p->workspace + p->splits * rows * D;
+  const int64_t tasks = p->B * p->Hkv * p->splits;
+  memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
+#pragma omp parallel
+  {
+    bwd_scratch w;
+    float *buf = zalloc(3 * BQ * Dp + 4 * BK * Dp + Dp * BK + 2 * BQ * BK + 2 * Dp);
+    w.q = buf;
+    w.dout = w.q + BQ * Dp;
+    w.dq = w.dout + BQ * Dp;
+    w.k = w.dq + BQ * Dp;
+    w.dk = w.k + BK * Dp;
+    w.dv = w.dk + BK * Dp;
+    w.kt = w.dv + BK * Dp;
+    w.vt = w.kt + Dp * BK;
+    w.pr = w.vt + Dp * BK;
+    w.ds = w.pr + BQ * BK;
+    w.tmp = w.ds + BQ * BK;
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) bwd_delta(p, row, delta, w.tmp);
+    /* the implicit barrier: delta is complete */
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t split = task % p->splits, bh = task / p->splits;
+      bwd_task(p, bh / p->Hkv, bh % p->Hkv, split, delta, &w);
+    }
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, w.tmp);
+    free(buf);
+  }
+}

@@ -1,0 +1,208 @@
+// Registration shim for fusedops::attn_fwd / attn_bwd: checks the arguments,
+// allocates outputs, fills the C params struct, calls the kernel.
+#include "../common/shim.h"
+#include "attention.h"
+
+#include <tuple>
+
+namespace fusedops {
+namespace {
+
+// A [B, S, H, D] operand read through its strides; copied only when its last
+// dimension is not unit-stride (never misread).
+Tensor unit_last(const Tensor &t) {
+  return (t.size(3) <= 1 || t.stride(3) == 1) ? t : torch::stable::contiguous(t);
+}
+
+fo_attn_strides bshd_strides(const Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+#ifdef FUSEDOPS_WITH_CUDA
+// The CUDA kernels move 16-byte chunks: a 16-byte aligned base and strides
+// that are multiples of 8 elements. Other inputs are copied (clone keeps a
+// dense layout's strides, all multiples of D, on fresh aligned storage).
+Tensor cuda_readable(const Tensor &t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  if (ok) return t;
+  Tensor c = torch::stable::clone(t);
+  bool dense_ok = true;
+  for (int64_t d = 0; d < 3; ++d) dense_ok = dense_ok && (c.size(d) <= 1 || c.stride(d) % 8 == 0);
+  return dense_ok ? c : torch::stable::contiguous(c);
+}
+
+// Head dims and dtypes attention_fwd_cuda.cu is built for.
+void check_cuda_fwd(const char *op, const Tensor &q) {
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Half || q.scalar_type() == ScalarType::BFloat16,
+                  op, ": q has dtype ", dtype_name(q.scalar_type()),
+                  ", expected float16 or bfloat16 on CUDA");
+  STD_TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, op, ": q has head_dim ", q.size(3),
+                  ", expected 64 or 128 on CUDA");
+}
+#endif
+
+void check_4d(const char *op, const char *arg, const Tensor &t) {
+  STD_TORCH_CHECK(t.dim() == 4, op, ": ", arg, " has shape ", shape_str(t),
+                  ", expected 4 dimensions [batch, seq, heads, head_dim]");
+}
+
+// q [B, Sq, Hq, D]; k, v [B, Sk, Hkv, D] with Hq a multiple of Hkv; one dtype
+// and one device. Returns the dtype tag.
+fo_dtype check_qkv(const char *op, const Tensor &q, const Tensor &k, const Tensor &v) {
+  check_4d(op, "q", q);
+  check_4d(op, "k", k);
+  check_4d(op, "v", v);
+  const fo_dtype dt = kernel_dtype(op, "q", q);
+  const char *qdt = dtype_name(q.scalar_type());
+  check_dtype_in(op, "k", k, q.scalar_type(), q.scalar_type(), qdt);
+  check_dtype_in(op, "v", v, q.scalar_type(), q.scalar_type(), qdt);
+  check_same_device(op, "k", k, q, "q");
+  check_same_device(op, "v", v, q, "q");
+  STD_TORCH_CHECK(q.size(3) >= 1, op, ": q has head_dim 0, expected at least 1");
+  STD_TORCH_CHECK(k.size(0) == q.size(0), op, ": k has batch size ", k.size(0),
+                  ", expected the batch size of q (", q.size(0), ")");
+  STD_TORCH_CHECK(k.size(3) == q.size(3), op, ": k has head_dim ", k.size(3),
+                  ", expected the head_dim of q (", q.size(3), ")");
+  check_same_shape(op, "v", v, k, "k");
+  STD_TORCH_CHECK(k.size(2) >= 1, op, ": k has 0 heads, expected at least 1");
+  STD_TORCH_CHECK(q.size(2) % k.size(2) == 0, op, ": q has ", q.size(2),
+                  " heads, expected a multiple of the ", k.size(2), " heads of k");
+  return dt;
+}
+
+fo_attn_params make_params(const Tensor &q, const Tensor &k, const Tensor &v, double scale,
+                           bool causal, fo_dtype dt) {
+  fo_attn_params p{};
+  p.B = q.size(0);
+  p.Sq = q.size(1);
+  p.Hq = q.size(2);
+  p.D = q.size(3);
+  p.Sk = k.size(1);
+  p.Hkv = k.size(2);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_st = bshd_strides(q);
+  p.k_st = bshd_strides(k);
+  p.v_st = bshd_strides(v);
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.dtype = dt;
+  return p;
+}
+
+std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, bool causal,
+                                    bool deterministic) {
+  (void)deterministic;  // kept for the backward (see library.cpp)
+  const char *op = "fusedops.attn_fwd";
+  const fo_dtype dt = check_qkv(op, q, k, v);
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
+  Tensor out = torch::stable::new_empty(q, {B, Sq, Hq, D}, q.scalar_type());
+  Tensor lse = torch::stable::new_empty(q, {B, Hq, Sq}, ScalarType::Float);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) check_cuda_fwd(op, q);
+#endif
+  if (B == 0 || Sq == 0 || Hq == 0) return {out, lse};
+  q = unit_last(q);
+  k = unit_last(k);
+  v = unit_last(v);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) {
+    q = cuda_readable(q);
+    k = cuda_readable(k);
+    v = cuda_readable(v);
+  }
+#endif
+
+  fo_attn_params p = make_params(q, k, v, scale, causal, dt);
+  p.out = out.data_ptr();
+  p.out_st = bshd_strides(out);
+  p.lse = static_cast<float *>(lse.data_ptr());
+  p.lse_st = {lse.stride(0), lse.stride(2), lse.stride(1)};
+  if (q.is_cpu()) {
+    fo_attn_fwd_cpu(&p);
+  } else {
+#ifdef FUSEDOPS_WITH_CUDA
+    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    const char *err = fo_attn_fwd_cuda(&p, current_cuda_stream(q));
+    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+    STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
+#endif
+  }
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                            Tensor lse, double scale, bool causal,
+                                            bool deterministic) {
+  const char *op = "fusedops.attn_bwd";
+  const fo_dtype dt = check_qkv(op, q, k, v);
+  const char *qdt = dtype_name(q.scalar_type());
+  for (const Tensor *t : {&dout, &out}) {
+    const char *arg = t == &dout ? "dout" : "out";
+    check_same_device(op, arg, *t, q, "q");
+    check_same_shape(op, arg, *t, q, "q");
+    check_dtype_in(op, arg, *t, q.scalar_type(), q.scalar_type(), qdt);
+  }
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2);
+  check_same_device(op, "lse", lse, q, "q");
+  check_dtype_in(op, "lse", lse, ScalarType::Float, ScalarType::Float, "float32");
+  STD_TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq, op,
+                  ": lse has shape ", shape_str(lse), ", expected [", B, ", ", Hq, ", ", Sq,
+                  "] (batch, q heads, q seq)");
+
+  Tensor dq = empty_like_shape(q, q.scalar_type());
+  Tensor dk = empty_like_shape(k, k.scalar_type());
+  Tensor dv = empty_like_shape(v, v.scalar_type());
+  if (B == 0 || Sq == 0 || Hq == 0) {
+    // No query: nothing flows back to k and v (which may still have keys).
+    torch::stable::zero_(dk);
+    torch::stable::zero_(dv);
+    return {dq, dk, dv};
+  }
+  q = unit_last(q);
+  k = unit_last(k);
+  v = unit_last(v);
+  dout = unit_last(dout);
+  out = unit_last(out);
+
+  fo_attn_params p = make_params(q, k, v, scale, causal, dt);
+  p.deterministic = deterministic;
+  p.out = out.data_ptr();
+  p.out_st = bshd_strides(out);
+  p.dout = dout.data_ptr();
+  p.dout_st = bshd_strides(dout);
+  p.lse = static_cast<float *>(lse.data_ptr());
+  p.lse_st = {lse.stride(0), lse.stride(2), lse.stride(1)};
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_st = bshd_strides(dq);
+  p.dk_st = bshd_strides(dk);
+  p.dv_st = bshd_strides(dv);
+  STD_TORCH_CHECK(q.is_cpu(), op, ": q is on ", device_name(q),
+                  ", expected cpu (no CUDA attention backward kernel yet)");
+  p.splits = fo_attn_bwd_cpu_splits(&p);
+  Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
+  p.workspace = static_cast<float *>(workspace.data_ptr());
+  fo_attn_bwd_cpu(&p);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace fusedops
+
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
+  m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
+  m.impl("attn_bwd", TORCH_BOX(&fusedops::attn_bwd));
+}
+
+#ifdef FUSEDOPS_WITH_CUDA
+// Forward only: attention_bwd_cuda.cu does not exist yet, so attn_bwd on a CUDA
+// tensor gets the dispatcher's "no kernel for CUDA" error, and
+// fusedops.functional falls back (scaled_dot_product_attention) or raises
+// (flash_attention) before that whenever a gradient is needed.
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
+}
+#endif
