@@ -8,6 +8,16 @@
 
 #include "fo_types.h"
 
+/* A hot loop compiled twice (x86-64-v3: AVX2 + FMA, and the baseline) and
+ * picked at load time: one binary, full-width vectors where the CPU has them.
+ * Use feature levels, not arch= CPU names: target_clones("arch=haswell") is a
+ * CPU-model test and picked the baseline clone on an AMD EPYC. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FO_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FO_CLONES
+#endif
+
 static inline float fo_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t fo_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 

@@ -17,15 +17,8 @@ static const char *row_ptr(const void *base, fo_dtype t, int64_t row, int64_t st
   return (const char *)base + (size_t)(row * stride) * (size_t)fo_dtype_size(t);
 }
 
-/* The per-row work, compiled twice (x86-64-v3: AVX2 + FMA, and the baseline) and
- * picked at load time: one binary, full-width vectors where the CPU has them.
- * Everything it calls is static inline and is compiled into each clone. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FO_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define FO_CLONES
-#endif
-
+/* The per-row work is compiled twice (FO_CLONES, cpu_dtype.h): everything it
+ * calls is static inline and is compiled into each clone. */
 /* An fp32 view of a row: the row itself when it is fp32, else converted into
  * `scratch`. */
 static inline const float *as_f32(fo_dtype t, const void *row, float *scratch, int64_t n) {
