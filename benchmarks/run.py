@@ -1,6 +1,6 @@
 """Run the fusedops benchmark suite: every benchmarks/bench_<op>.py, each impl
-(fusedops, eager, torch.compile), forward and forward+backward, against the copy
-ceiling measured in the same run.
+(fusedops, eager, torch.compile), forward and forward+backward (or an optimizer
+step), against the copy ceiling measured in the same run.
 
     python -m benchmarks.run [--ops norm,...] [--quick] [--sweep | --no-sweep]
                              [--out DIR] [--no-compile] [--no-plot]
