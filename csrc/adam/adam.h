@@ -79,9 +79,9 @@ typedef struct fo_adam_coef {
   float neg_step_size;  /* -lr / (1 - beta1^t) */
   float bc2_sqrt;       /* sqrt(1 - beta2^t) */
   float eps;
-  float grad_scale;     /* 1 when there is none */
+  float grad_scale;     /* 1 when there is none (then scaled = 0: g / 1 is g) */
   float sign;           /* -1 for maximize, else 1 */
-  int l2_on, lerp_small, amsgrad;
+  int l2_on, lerp_small, amsgrad, scaled;
 } fo_adam_coef;
 
 /* Scalars for step count t (the step being taken) and learning rate lr. */
@@ -101,6 +101,7 @@ FO_HD fo_adam_coef fo_adam_coef_make(const fo_adam_params *a, double t, double l
   c.bc2_sqrt = (float)sqrt(bc2);
   c.eps = (float)a->eps;
   c.grad_scale = grad_scale;
+  c.scaled = grad_scale != 1.0f;
   c.sign = a->maximize ? -1.0f : 1.0f;
   c.amsgrad = a->amsgrad;
   return c;
@@ -111,7 +112,7 @@ FO_HD void fo_adam_update(const fo_adam_coef *c, float *p, float grad, float *m,
                           float *vmax) {
   /* Branch-free where the flags allow (selects, not jumps), so that the CPU
    * loop vectorises; the flags are uniform over a call. */
-  const float g0 = grad / c->grad_scale * c->sign;
+  const float g0 = (c->scaled ? grad / c->grad_scale : grad) * c->sign;
   const float pv = *p * c->decay;
   const float g = c->l2_on ? fmaf(pv, c->l2, g0) : g0;
   /* torch.lerp with weight w = 1 - beta1: m + w (g - m) for w < 0.5, else
@@ -120,7 +121,7 @@ FO_HD void fo_adam_update(const fo_adam_coef *c, float *p, float grad, float *m,
   const float vv = fmaf(c->one_minus_beta2 * g, g, *v * c->beta2);  /* torch: v*b2, then addcmul */
   float vd = vv;
   if (c->amsgrad) { /* torch.maximum: a NaN on either side wins */
-    vd = (*vmax > vv || *vmax != *vmax) ? *vmax : vv;
+    vd = ((*vmax > vv) | (*vmax != *vmax)) ? *vmax : vv;  /* | not ||: no branch */
     *vmax = vd;
   }
   const float denom = sqrtf(vd) / c->bc2_sqrt + c->eps;
