@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import torch
 
 MB = 1 << 20
-DIRECTIONS = ("fwd", "fwd+bwd")
+# "step": one call that is neither (an optimizer step), timed as it is.
+DIRECTIONS = ("fwd", "fwd+bwd", "step")
 IMPLS = ("fusedops", "eager", "compile")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Input sets of one case together exceed this on a GPU: over 2x an H100's 50 MB
@@ -46,8 +47,9 @@ class Inputs:
 
     @property
     def nbytes(self):
-        ts = [t for t in (*self.args, *(self.grads or ())) if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in ts)
+        flat = [t for a in (*self.args, *(self.grads or ()))
+                for t in (a if isinstance(a, (list, tuple)) else (a,))]  # lists of tensors too
+        return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
 
 @dataclass
@@ -57,10 +59,14 @@ class Case:
     make_inputs(grad) builds one input set; grad=True marks the differentiable
     args requires_grad and adds upstream grads. impls maps "fusedops" and
     "eager" to functions of the args returning the op's outputs; the runner adds
-    "compile" (torch.compile of eager); a case may add more (torch's own
-    kernels, say: they show in the table of FLOP cases). nbytes is the fewest bytes the op must
-    move in this direction (DESIGN.md, Kernels). A compute-bound case gives
-    flops instead: it is then reported in TFLOP/s against the matmul ceiling."""
+    "compile" (torch.compile of eager) unless impls has one; a case may add
+    more (torch's own kernels, say: they show as further columns). nbytes is the
+    fewest bytes the op must move in this direction (DESIGN.md, Kernels). A
+    compute-bound case gives flops instead: it is then reported in TFLOP/s
+    against the matmul ceiling. min_sets: input sets to rotate through at the
+    least (1 for cases far larger than the L2 that cannot afford two copies);
+    note: a line for the report saying what the columns hold where that is not
+    the default."""
     op: str
     shape: tuple
     dtype: torch.dtype
@@ -69,6 +75,8 @@ class Case:
     make_inputs: Callable[[bool], Inputs]
     impls: dict
     flops: Optional[float] = None
+    min_sets: int = 2
+    note: str = ""
 
     @property
     def unit(self):
@@ -188,14 +196,15 @@ def graph_time(fn, device, calls=10):
 
 
 # ---------------------------------------------------------------- inputs, ceiling
-def rotating(make_inputs, grad, device):
+def rotating(make_inputs, grad, device, min_sets=2):
     """Build enough input sets to overflow the L2 (ROTATE_BYTES on a GPU; two on
-    the CPU, where memory is the limit) and return (sets, next_set): next_set()
-    hands out the next set in turn, so each timed call reads cold inputs."""
+    the CPU, where memory is the limit; never fewer than min_sets) and return
+    (sets, next_set): next_set() hands out the next set in turn, so each timed
+    call reads cold inputs."""
     sets = [make_inputs(grad)]
-    want = 2
+    want = min_sets
     if device.type == "cuda":
-        want = max(2, math.ceil(ROTATE_BYTES / max(sets[0].nbytes, 1)))
+        want = max(min_sets, math.ceil(ROTATE_BYTES / max(sets[0].nbytes, 1)))
     sets += [make_inputs(grad) for _ in range(want - 1)]
     i = -1
 
@@ -285,9 +294,10 @@ def compiled(fn):
 
 # ---------------------------------------------------------------- one case
 def _step(fn, direction):
-    """What one timed call does: the forward alone under no_grad, or the
-    forward plus torch.autograd.grad of every output (no .grad accumulation)."""
-    if direction == "fwd":
+    """What one timed call does: the forward (or an optimizer step) alone under
+    no_grad, or the forward plus torch.autograd.grad of every output (no .grad
+    accumulation)."""
+    if direction in ("fwd", "step"):
         def step(inp):
             with torch.no_grad():
                 return fn(*inp.args)
@@ -299,7 +309,7 @@ def _step(fn, direction):
 
 def _candidates(case, use_compile):
     fns = dict(case.impls)
-    if use_compile:
+    if use_compile and "compile" not in fns and "eager" in fns:
         fns["compile"] = compiled(case.impls["eager"])
     return fns
 
@@ -307,7 +317,7 @@ def _candidates(case, use_compile):
 def _row(case, impl, **extra):
     return {"op": case.op, "shape": _shape(case), "dtype": _dtype(case), "impl": impl,
             "direction": case.direction, "unit": case.unit, "ms": None, case.unit: None,
-            "frac_of_ceiling": None, **extra}
+            "frac_of_ceiling": None, **({"note": case.note} if case.note else {}), **extra}
 
 
 def rate(row, gpu=True):
@@ -348,7 +358,7 @@ def _time_impl(impl, fn, case, sets, next_set, device, ceiling):
         for _ in sets:
             call()
         _sync(device)
-        if impl == "compile":
+        if impl == "compile" and "compile" not in case.impls:  # ours, not a case's own baseline
             row["compile_s"] = round(time.perf_counter() - t0, 2)
         peak = _peak_bytes(call, device)
         if peak is not None:
@@ -374,7 +384,7 @@ def run_case(case, device, ceilings, use_compile=True):
     torch.manual_seed(0)
     impls = _candidates(case, use_compile)
     try:
-        sets, next_set = rotating(case.make_inputs, case.direction == "fwd+bwd", device)
+        sets, next_set = rotating(case.make_inputs, case.direction == "fwd+bwd", device, case.min_sets)
     except Exception as e:  # noqa: BLE001  (out of memory, say: every impl is n/a)
         _free(device)
         return [_row(case, impl, error=_short_error(e)) for impl in impls]
@@ -578,7 +588,8 @@ def format_table(meta, rows):
                   "CUDA graph (gpu_ms in results.json).\n")
     tables = [_table([r for r in rows if r.get("unit", "GB/s") == u], ceilings(meta).get(u), u)
               for u in ("GB/s", "TFLOP/s") if any(r.get("unit", "GB/s") == u for r in rows)]
-    return title + "\n".join(tables)
+    notes = "".join(f"{n}\n" for n in dict.fromkeys(r["note"] for r in rows if r.get("note")))
+    return title + "\n".join(tables) + ("\n" + notes if notes else "")
 
 
 def ceilings(meta):
@@ -600,11 +611,13 @@ def write_plot(out_dir, meta, rows):
         print("matplotlib not installed: no chart (pip install matplotlib)", file=sys.stderr)
         return None
     groups = _by_impl([r for r in rows if r.get("unit", "GB/s") == "GB/s"])  # FLOP cases: table only
-    if not groups:
+    present = [d for d in DIRECTIONS if any(k[3] == d for k in groups)]
+    if not present:
         return None
-    n = max(sum(k[3] == d for k in groups) for d in DIRECTIONS)
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * n + 2), 9), squeeze=False)
-    for ax, direction in zip(axes[:, 0], DIRECTIONS):
+    n = max(sum(k[3] == d for k in groups) for d in present)
+    fig, axes = plt.subplots(len(present), 1, figsize=(max(8, 0.55 * n + 2), 4.5 * len(present)),
+                             squeeze=False)
+    for ax, direction in zip(axes[:, 0], present):
         _plot_panel(ax, groups, [k for k in groups if k[3] == direction], direction)
     # Legend and title above the panels, where they cannot hide a bar.
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper right", ncol=3, fontsize=8)

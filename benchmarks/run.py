@@ -1,7 +1,7 @@
 """Run the fusedops benchmark suite: every benchmarks/bench_<op>.py, each impl
 (fusedops, eager, torch.compile, and what a case adds), forward and
-forward+backward, against the copy ceiling (memory-bound ops) or the matmul
-ceiling (compute-bound ones) measured in the same run.
+forward+backward (or an optimizer step), against the copy ceiling (memory-bound
+ops) or the matmul ceiling (compute-bound ones) measured in the same run.
 
     python -m benchmarks.run [--ops norm,...] [--quick] [--sweep | --no-sweep]
                              [--out DIR] [--no-compile] [--no-plot]

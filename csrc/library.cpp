@@ -38,5 +38,19 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // q, k, v. deterministic: bitwise-repeatable results.
   m.def("attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Multi-tensor Adam / AdamW (csrc/adam): one step over lists of tensors of one
+  // device, one param dtype (fp32, fp16, bf16) and one state dtype (the
+  // param's or fp32), updated in place. grads: the params' dtype, never
+  // written. max_exp_avg_sqs: one per param with amsgrad, else empty.
+  // master_params: fp32 copies of 16-bit params (updated; the params receive
+  // them rounded), or empty. steps: one fp32 count per param, incremented.
+  // lr_tensor (fp32, on the device) overrides lr. grad_scale / found_inf (fp32,
+  // on the device; GradScaler's): grads are divided by grad_scale, and nothing
+  // changes (steps included) when found_inf != 0.
+  m.def("adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, "
+        "Tensor(f!)[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool decoupled_weight_decay, bool amsgrad, bool maximize, Tensor? lr_tensor=None, "
+        "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 }
 

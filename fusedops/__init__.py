@@ -3,7 +3,7 @@ import torch  # noqa: F401  (first: the extension links against it)
 
 from . import _C  # registers torch.ops.fusedops.* (static initialisers in the library)
 from . import ops  # noqa: F401  (fake kernels and autograd)
-from . import functional, nn  # noqa: F401
+from . import functional, nn, optim  # noqa: F401
 
 __version__ = "0.1.0"
 

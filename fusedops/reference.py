@@ -68,3 +68,34 @@ def attention(q, k, v, causal=False, scale=None, return_lse=False):
         s = s.masked_fill(~mask, float("-inf"))
     out = (s.softmax(-1) @ v).transpose(1, 2)
     return (out, s.logsumexp(-1)) if return_lse else out
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, beta1, beta2, eps,
+              weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, maximize=False,
+              grad_scale=None):
+    """One Adam (or, with decoupled_weight_decay, AdamW) step of one tensor, out of
+    place, computed in the tensors' own dtype: the math of torch.optim.Adam's
+    for-loop implementation. step is the count including this step (1 on the
+    first); grad_scale divides the gradient (GradScaler's scale). Returns
+    (param, exp_avg, exp_avg_sq, max_exp_avg_sq), the last None without amsgrad."""
+    lr = float(lr)
+    g = grad if grad_scale is None else grad / float(grad_scale)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            param = param * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * param
+    exp_avg = exp_avg + (1 - beta1) * (g - exp_avg)
+    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    v = exp_avg_sq
+    if amsgrad:
+        max_exp_avg_sq = v = torch.maximum(max_exp_avg_sq, exp_avg_sq)
+    else:
+        max_exp_avg_sq = None
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    denom = v.sqrt() / bias_correction2 ** 0.5 + eps
+    param = param - (lr / bias_correction1) * exp_avg / denom
+    return param, exp_avg, exp_avg_sq, max_exp_avg_sq

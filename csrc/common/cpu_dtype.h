@@ -11,7 +11,9 @@
 /* Hot loops of the CPU kernels are compiled once per x86-64 level (v4:
  * AVX-512, v3: AVX2 + FMA, and the baseline) and picked at load time: one
  * binary, full-width vectors on whatever CPU it runs on. Everything a marked
- * function calls is static inline and is compiled into each clone. */
+ * function calls is static inline and is compiled into each clone. Use feature
+ * levels, not arch= CPU names: target_clones("arch=haswell") is a CPU-model
+ * test and picked the baseline clone on an AMD EPYC. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -39,7 +41,9 @@ static inline float fo_f16_to_f32(uint16_t h) {
   const uint32_t two_w = w + w;
   const float normal = fo_bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float subnormal = fo_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t mag = two_w < (1u << 27) ? fo_f32_bits(subnormal) : fo_f32_bits(normal);
+  /* a mask, not a branch: GCC will not vectorise the select of two bit casts */
+  const uint32_t sub = 0u - (uint32_t)(two_w < (1u << 27));
+  const uint32_t mag = (fo_f32_bits(subnormal) & sub) | (fo_f32_bits(normal) & ~sub);
   return fo_bits_f32(sign | mag);
 }
 
@@ -52,11 +56,12 @@ static inline uint16_t fo_f32_to_f16(float f) {
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
   base = fo_bits_f32((bias >> 1) + 0x07800000u) + base;
   const uint32_t b = fo_f32_bits(base);
   const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
-  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan = 0u - (uint32_t)(shl1_w > 0xFF000000u);  /* masks: vectorises */
+  return (uint16_t)((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
 }
 
 /* out[j] = (float)in[j] for n elements of dtype t. */

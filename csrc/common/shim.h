@@ -30,6 +30,8 @@ inline const char *dtype_name(ScalarType t) {
     case ScalarType::Long: return "int64";
     case ScalarType::Int: return "int32";
     case ScalarType::Bool: return "bool";
+    case ScalarType::ComplexFloat: return "complex64";
+    case ScalarType::ComplexDouble: return "complex128";
     default: return "an unsupported dtype";
   }
 }
