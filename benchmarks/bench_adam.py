@@ -97,10 +97,10 @@ def cases(device, quick, sweep):
     sets = 1 if device.type == "cuda" else 2
     label = _label(shapes)
     out = [Case("AdamW", label, torch.float32, "step", 28 * n, _maker(shapes, torch.float32, device),
-                impls(), sets, NOTE)]
+                impls(), min_sets=sets, note=NOTE)]
     if not quick:
         out += [Case("AdamW", label, torch.bfloat16, "step", 14 * n, _maker(shapes, torch.bfloat16, device),
-                     impls(), sets, NOTE),
+                     impls(), min_sets=sets, note=NOTE),
                 Case("AdamW+master", label, torch.bfloat16, "step", 28 * n,
-                     _maker(shapes, torch.bfloat16, device), master, sets, NOTE)]
+                     _maker(shapes, torch.bfloat16, device), master, min_sets=sets, note=NOTE)]
     return out
