@@ -3,6 +3,7 @@
 #include "../common/shim.h"
 #include "attention.h"
 
+#include <limits>
 #include <tuple>
 
 namespace fusedops {
@@ -102,6 +103,12 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   if (q.is_cuda()) check_cuda_fwd(op, q);
 #endif
   if (B == 0 || Sq == 0 || Hq == 0) return {out, lse};
+  if (k.size(1) == 0) {
+    // No key: every row attends to nothing. torch gives out = 0; lse = -inf.
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
   q = unit_last(q);
   k = unit_last(k);
   v = unit_last(v);
