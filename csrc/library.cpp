@@ -21,8 +21,9 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // [..., F] output; their gradient is one [..., 2F] tensor.
   m.def("glu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
   m.def("glu_bwd(Tensor dout, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)");
-  // glu_bwd writing dgate over gate and dup over up (contiguous).
-  m.def("glu_bwd_(Tensor dout, Tensor(a!) gate, Tensor(b!) up, str activation) -> ()");
+  // glu_bwd writing dgate over gate, dup over up, and the forward's output
+  // act(gate) * up over dout (all contiguous).
+  m.def("glu_bwd_(Tensor(a!) dout, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");
   m.def("glu_packed_fwd(Tensor gate_up, str activation) -> Tensor");
   m.def("glu_packed_bwd(Tensor dout, Tensor gate_up, str activation) -> Tensor");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,

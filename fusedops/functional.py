@@ -71,8 +71,9 @@ def geglu_packed(gate_up):
 
 class _GLUMLP(torch.autograd.Function):
     """down(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, saving x and the two
-    projections only: the activation h is recomputed in the backward (one
-    elementwise pass) instead of being kept from forward to backward.
+    projections only: the activation h is recomputed in the backward (in the
+    elementwise pass that computes its gradients) instead of being kept from
+    forward to backward.
 
     Under autocast the inputs are cast to the autocast dtype here, as
     torch.nn.Linear's would be, and the gradients cast back to each
@@ -100,14 +101,16 @@ class _GLUMLP(torch.autograd.Function):
         need = ctx.needs_input_grad
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.to(gate.dtype).reshape(-1, dy.shape[-1])
-        h2 = _ops.glu_fwd(gate, up, ctx.activation).reshape(-1, gate.shape[-1])
-        dwd = dy2.t() @ h2 if need[3] else None
-        del h2
-        # gate and up are needed no more: their gradients overwrite them. A
-        # second backward through this graph finds them changed and raises.
-        _ops.glu_bwd_((dy2 @ wd).reshape(gate.shape), gate, up, ctx.activation)
+        # One pass turns dh = dy Wd into h (the activation, recomputed, for
+        # dWd) and gate, up into their gradients, all in place: gate and up
+        # are needed no more. A second backward through this graph finds them
+        # changed and raises.
+        h2 = dy2 @ wd
+        _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
         for t in (gate, up):  # the op does not bump their versions itself
             torch.autograd.graph.increment_version(t)
+        dwd = dy2.t() @ h2 if need[3] else None
+        del h2
         dgate2, dup2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, gate.shape[-1])
         dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
         grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,

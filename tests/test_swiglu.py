@@ -165,14 +165,20 @@ def test_outputs_are_dense(device):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_inplace_backward(device, act):
-    """glu_bwd_ writes glu_bwd's results over gate and up, bit for bit, and
-    refuses inputs it cannot overwrite densely."""
-    g, u, d = (randn((5, 1000), torch.bfloat16, device) for _ in range(3))
-    dg, du = ops.glu_bwd(d, g, u, act)
-    ops.glu_bwd_(d, g, u, act)
-    assert torch.equal(bits(g), bits(dg)) and torch.equal(bits(u), bits(du))
-    raises_unchanged(ops.glu_bwd_, dict(dout=d[:, :500], gate=g[:, :500], up=u[:, :500], activation=act),
-                     r"fusedops\.glu_bwd_: gate is not contiguous, expected a contiguous tensor")
+    """glu_bwd_ writes glu_bwd's results over gate and up and glu_fwd's over
+    dout, bit for bit, and refuses inputs it cannot overwrite densely."""
+    for dtype in (torch.bfloat16, torch.float32):
+        g, u, d = (randn((5, 1000), dtype, device) for _ in range(3))
+        dg, du = ops.glu_bwd(d, g, u, act)
+        h = ops.glu_fwd(g, u, act)
+        ops.glu_bwd_(d, g, u, act)
+        assert torch.equal(bits(g), bits(dg)) and torch.equal(bits(u), bits(du))
+        assert torch.equal(bits(d), bits(h))
+    for arg in ("dout", "gate", "up"):
+        t = dict(dout=d.clone(), gate=g.clone(), up=u.clone())
+        t[arg] = t[arg].t().contiguous().t()
+        raises_unchanged(ops.glu_bwd_, dict(t, activation=act),
+                         rf"fusedops\.glu_bwd_: {arg} is not contiguous, expected a contiguous tensor")
 
 
 def test_mlp_second_backward_raises(device):

@@ -36,7 +36,10 @@ typedef struct fo_glu_params {
   int64_t rows, cols;
   const void *gate, *up; /* [rows, cols] dtype, through gate_rows / up_rows */
   const void *dout;      /* backward: [rows, cols] dtype, through dout_rows */
-  void *out;             /* forward: [rows, cols] dtype, row stride out_stride */
+  void *out;             /* forward: [rows, cols] dtype, row stride out_stride;
+                            backward: NULL, or where the forward's output,
+                            recomputed, is written too (row stride out_stride;
+                            it may be dout itself, when dout is dense) */
   void *dgate, *dup;     /* backward: [rows, cols] dtype, row stride out_stride
                             (2 cols with dup = dgate + cols when packed) */
   fo_glu_rows gate_rows, up_rows, dout_rows;

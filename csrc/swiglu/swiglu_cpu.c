@@ -38,20 +38,27 @@ FO_CLONES static void fwd_tile(fo_dtype t, int gelu, const void *g, const void *
   if (t != FO_F32) fo_store_row(t, out, of, n);
 }
 
+/* The results go through scratch tiles, in every dtype: the outputs may be
+ * the inputs themselves (glu_bwd_), which restrict rules out. out, when not
+ * NULL, receives the forward's output too. */
 FO_CLONES static void bwd_tile(fo_dtype t, int gelu, const void *d, const void *g, const void *u,
-                               void *dg, void *du, int64_t n) {
-  float ds[kTile], gs[kTile], us[kTile], dgs[kTile], dus[kTile];
+                               void *dg, void *du, void *out, int64_t n) {
+  float ds[kTile], gs[kTile], us[kTile], dgf[kTile], duf[kTile], hf[kTile];
   const float *restrict df = as_f32(t, d, ds, n), *restrict gf = as_f32(t, g, gs, n),
                         *restrict uf = as_f32(t, u, us, n);
-  float *restrict dgf = t == FO_F32 ? (float *)dg : dgs, *restrict duf = t == FO_F32 ? (float *)du : dus;
   if (gelu)
     for (int64_t j = 0; j < n; ++j) fo_glu_bwd(df[j], gf[j], uf[j], 1, &dgf[j], &duf[j]);
   else
     for (int64_t j = 0; j < n; ++j) fo_glu_bwd(df[j], gf[j], uf[j], 0, &dgf[j], &duf[j]);
-  if (t != FO_F32) {
-    fo_store_row(t, dg, dgf, n);
-    fo_store_row(t, du, duf, n);
+  if (out) {
+    if (gelu)
+      for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 1);
+    else
+      for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 0);
+    fo_store_row(t, out, hf, n);
   }
+  fo_store_row(t, dg, dgf, n);
+  fo_store_row(t, du, duf, n);
 }
 
 /* Rows split evenly over the threads; a row of more than kTile elements is
@@ -80,9 +87,11 @@ void fo_glu_bwd_cpu(const fo_glu_params *p) {
     const char *u = row_at(p->up, &p->up_rows, r, es);
     char *dg = (char *)p->dgate + r * p->out_stride * es;
     char *du = (char *)p->dup + r * p->out_stride * es;
+    char *o = p->out ? (char *)p->out + r * p->out_stride * es : NULL;
     for (int64_t c = 0; c < p->cols; c += kTile) {
       const int64_t n = p->cols - c < kTile ? p->cols - c : kTile;
-      bwd_tile(p->dtype, gelu, d + c * es, g + c * es, u + c * es, dg + c * es, du + c * es, n);
+      bwd_tile(p->dtype, gelu, d + c * es, g + c * es, u + c * es, dg + c * es, du + c * es,
+               o ? o + c * es : NULL, n);
     }
   }
 }

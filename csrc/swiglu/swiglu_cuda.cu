@@ -1,7 +1,8 @@
 /* SwiGLU / GeGLU on CUDA (math and layout: swiglu.h).
  *
  * Bytes: forward reads gate, up and writes out (3 matrices); backward reads
- * dout, gate, up and writes dgate, dup (5 matrices). Nothing else is touched.
+ * dout, gate, up and writes dgate, dup (5 matrices; 6 when it writes out too).
+ * Nothing else is touched.
  *
  * Kernel: the matrix as a flat list of VEC-element vectors (16 bytes when the
  * width, the pointers and the row strides allow it; narrower otherwise), each
@@ -53,7 +54,7 @@ __device__ __forceinline__ int64_t row_off(const fo_glu_rows &m, I r) {
 }
 
 // One kernel for both directions: BWD reads dout, gate, up and writes dgate,
-// dup; the forward reads gate, up and writes out.
+// dup (and out, when given); the forward reads gate, up and writes out.
 template <bool BWD, class T, int VEC, int U, class I, int GELU>
 __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I nvec, I cvec) {
   constexpr int NIN = BWD ? 3 : 2;
@@ -82,6 +83,12 @@ __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I 
     if constexpr (BWD) {
       float d[VEC];
       unpack(x[2][k], d);
+      if (p.out) {  // the forward's output too, for the caller's next matmul
+        float h[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) h[i] = fo_glu_fwd(g[i], u[i], GELU);
+        store_f<VEC>(static_cast<T *>(p.out) + o, h);
+      }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) fo_glu_bwd(d[i], g[i], u[i], GELU, &g[i], &u[i]);
       store_f<VEC>(static_cast<T *>(p.dgate) + o, g);

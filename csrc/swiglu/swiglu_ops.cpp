@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 namespace fusedops {
 namespace {
@@ -123,16 +124,19 @@ std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::str
   return {dgate, dup};
 }
 
-// In place: dgate over gate, dup over up (both dense), for a caller that has
-// no further use for them (fusedops.functional.glu_mlp's backward).
+// In place, for a caller that has no further use for its inputs
+// (fusedops.functional.glu_mlp's backward): dgate over gate, dup over up, and
+// the forward's output act(gate) * up over dout (all three dense).
 void glu_bwd_(Tensor dout, Tensor gate, Tensor up, std::string activation) {
   const char *op = "fusedops.glu_bwd_";
-  for (const Tensor *t : {&gate, &up})
-    STD_TORCH_CHECK(t->is_contiguous(), op, ": ", t == &gate ? "gate" : "up",
+  const std::pair<const char *, const Tensor *> written[] = {{"dout", &dout}, {"gate", &gate}, {"up", &up}};
+  for (const auto &[arg, t] : written)
+    STD_TORCH_CHECK(t->is_contiguous(), op, ": ", arg,
                     " is not contiguous, expected a contiguous tensor (it is written in place)");
   fo_glu_params p = glu_params(op, gate, up, &dout, activation);
   p.dgate = gate.data_ptr();
   p.dup = up.data_ptr();
+  p.out = dout.data_ptr();
   run(op, gate, p, true);
 }
 

@@ -3,7 +3,7 @@
 Schemas (csrc/library.cpp):
   glu_fwd(gate, up, activation) -> out
   glu_bwd(dout, gate, up, activation) -> (dgate, dup)
-  glu_bwd_(dout, gate!, up!, activation)                  # dgate over gate, dup over up
+  glu_bwd_(dout!, gate!, up!, activation)   # dgate over gate, dup over up, act(gate)*up over dout
   glu_packed_fwd(gate_up, activation) -> out              # gate_up = [gate | up]
   glu_packed_bwd(dout, gate_up, activation) -> dgate_up
 
