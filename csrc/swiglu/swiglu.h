@@ -38,12 +38,13 @@ typedef struct fo_glu_params {
   const void *dout;      /* backward: [rows, cols] dtype, through dout_rows */
   void *out;             /* forward: [rows, cols] dtype, row stride out_stride;
                             backward: NULL, or where the forward's output,
-                            recomputed, is written too (row stride out_stride;
+                            recomputed, is written too (row stride h_stride;
                             it may be dout itself, when dout is dense) */
   void *dgate, *dup;     /* backward: [rows, cols] dtype, row stride out_stride
                             (2 cols with dup = dgate + cols when packed) */
   fo_glu_rows gate_rows, up_rows, dout_rows;
   int64_t out_stride;
+  int64_t h_stride;      /* backward: the row stride of out */
   fo_glu_act act;
   fo_dtype dtype;
 } fo_glu_params;

@@ -87,7 +87,7 @@ void fo_glu_bwd_cpu(const fo_glu_params *p) {
     const char *u = row_at(p->up, &p->up_rows, r, es);
     char *dg = (char *)p->dgate + r * p->out_stride * es;
     char *du = (char *)p->dup + r * p->out_stride * es;
-    char *o = p->out ? (char *)p->out + r * p->out_stride * es : NULL;
+    char *o = p->out ? (char *)p->out + r * p->h_stride * es : NULL;
     for (int64_t c = 0; c < p->cols; c += kTile) {
       const int64_t n = p->cols - c < kTile ? p->cols - c : kTile;
       bwd_tile(p->dtype, gelu, d + c * es, g + c * es, u + c * es, dg + c * es, du + c * es,

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I 
         float h[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) h[i] = fo_glu_fwd(g[i], u[i], GELU);
-        store_f<VEC>(static_cast<T *>(p.out) + o, h);
+        store_f<VEC>(static_cast<T *>(p.out) + (int64_t)row[k] * p.h_stride + col[k], h);
       }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) fo_glu_bwd(d[i], g[i], u[i], GELU, &g[i], &u[i]);
@@ -104,10 +104,10 @@ __global__ void __launch_bounds__(kThreads) glu_kernel(const fo_glu_params p, I 
 // The widest vector (at most 16 bytes) that the width, every pointer and
 // every row stride of the call are multiples of.
 int vec_width(const fo_glu_params &p, bool bwd, int esize) {
-  const void *ptrs[] = {p.gate, p.up, bwd ? p.dout : p.out, p.dgate, p.dup};
+  const void *ptrs[] = {p.gate, p.up, bwd ? p.dout : p.out, p.dgate, p.dup, p.out};
   const fo_glu_rows *maps[] = {&p.gate_rows, &p.up_rows, bwd ? &p.dout_rows : nullptr};
   for (int vec = 16 / esize; vec > 1; vec /= 2) {
-    bool ok = p.cols % vec == 0 && p.out_stride % vec == 0;
+    bool ok = p.cols % vec == 0 && p.out_stride % vec == 0 && (!bwd || !p.out || p.h_stride % vec == 0);
     for (const void *q : ptrs) ok = ok && reinterpret_cast<uintptr_t>(q) % (vec * esize) == 0;
     for (const fo_glu_rows *m : maps)
       ok = ok && (!m || (m->stride % vec == 0 && (m->inner >= p.rows || m->outer % vec == 0)));

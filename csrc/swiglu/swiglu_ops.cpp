@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <initializer_list>
 #include <utility>
 
 namespace fusedops {
@@ -124,19 +125,24 @@ std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::str
   return {dgate, dup};
 }
 
+// The in-place backward ops write every tensor they take: each must be dense.
+void check_overwritable(const char *op, std::initializer_list<std::pair<const char *, const Tensor *>> ts) {
+  for (const auto &[arg, t] : ts)
+    STD_TORCH_CHECK(t->is_contiguous(), op, ": ", arg,
+                    " is not contiguous, expected a contiguous tensor (it is written in place)");
+}
+
 // In place, for a caller that has no further use for its inputs
 // (fusedops.functional.glu_mlp's backward): dgate over gate, dup over up, and
 // the forward's output act(gate) * up over dout (all three dense).
 void glu_bwd_(Tensor dout, Tensor gate, Tensor up, std::string activation) {
   const char *op = "fusedops.glu_bwd_";
-  const std::pair<const char *, const Tensor *> written[] = {{"dout", &dout}, {"gate", &gate}, {"up", &up}};
-  for (const auto &[arg, t] : written)
-    STD_TORCH_CHECK(t->is_contiguous(), op, ": ", arg,
-                    " is not contiguous, expected a contiguous tensor (it is written in place)");
+  check_overwritable(op, {{"dout", &dout}, {"gate", &gate}, {"up", &up}});
   fo_glu_params p = glu_params(op, gate, up, &dout, activation);
   p.dgate = gate.data_ptr();
   p.dup = up.data_ptr();
   p.out = dout.data_ptr();
+  p.h_stride = p.cols;
   run(op, gate, p, true);
 }
 
@@ -191,6 +197,21 @@ Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
   return dgate_up;
 }
 
+// glu_packed_bwd in place: [dgate | dup] over gate_up, act(gate) * up over
+// dout (both dense).
+void glu_packed_bwd_(Tensor dout, Tensor gate_up, std::string activation) {
+  const char *op = "fusedops.glu_packed_bwd_";
+  check_overwritable(op, {{"dout", &dout}, {"gate_up", &gate_up}});
+  std::vector<int64_t> half;
+  fo_glu_params p = packed_params(op, gate_up, &dout, activation, half);
+  p.dgate = gate_up.data_ptr();
+  p.dup = static_cast<char *>(p.dgate) + p.cols * fo_dtype_size(p.dtype);
+  p.out_stride = 2 * p.cols;
+  p.out = dout.data_ptr();
+  p.h_stride = p.cols;
+  run(op, gate_up, p, true);
+}
+
 }  // namespace
 }  // namespace fusedops
 
@@ -200,6 +221,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
+  m.impl("glu_packed_bwd_", TORCH_BOX(&fusedops::glu_packed_bwd_));
 }
 
 #ifdef FUSEDOPS_WITH_CUDA
@@ -209,5 +231,6 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
+  m.impl("glu_packed_bwd_", TORCH_BOX(&fusedops::glu_packed_bwd_));
 }
 #endif

@@ -6,6 +6,7 @@ Schemas (csrc/library.cpp):
   glu_bwd_(dout!, gate!, up!, activation)   # dgate over gate, dup over up, act(gate)*up over dout
   glu_packed_fwd(gate_up, activation) -> out              # gate_up = [gate | up]
   glu_packed_bwd(dout, gate_up, activation) -> dgate_up
+  glu_packed_bwd_(dout!, gate_up!, activation)  # [dgate | dup] over gate_up, act(gate)*up over dout
 
 The forward saves only its inputs (which the caller keeps anyway); the
 backward recomputes the activation from them."""
@@ -31,6 +32,11 @@ def _glu_bwd_fake(dout, gate, up, activation):
 
 @torch.library.register_fake("fusedops::glu_bwd_")
 def _glu_bwd_inplace_fake(dout, gate, up, activation):
+    return None
+
+
+@torch.library.register_fake("fusedops::glu_packed_bwd_")
+def _glu_packed_bwd_inplace_fake(dout, gate_up, activation):
     return None
 
 
