@@ -331,6 +331,12 @@ def test_hf_torch_compile():
     assert g.keys() == {"_orig_mod." + n for n in g_ref}
     for n in g_ref:
         torch.testing.assert_close(g["_orig_mod." + n], g_ref[n], rtol=0, atol=1e-5)
+    # A padding mask: attention goes to torch's SDPA, still in one graph (the
+    # fallback warning is not traced).
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = ref(ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(compiled(ids, attention_mask=mask).logits[mask.bool()], want, rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------- convergence
