@@ -53,6 +53,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(args.ops) - set(available_ops())
+    if unknown & STANDALONE:
+        p.error(f"{sorted(unknown & STANDALONE)} run on their own: python -m benchmarks.bench_<name>")
     if unknown:
         p.error(f"unknown op(s) {sorted(unknown)}; have {available_ops()}")
     return args

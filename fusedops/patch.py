@@ -188,7 +188,11 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
 
     The report (model.fusedops_report, also logged to the "fusedops" logger)
     lists what was replaced and what was not, and why. Patching twice changes
-    nothing more; fusedops.unpatch(model) undoes it."""
+    nothing more; fusedops.unpatch(model) undoes it.
+
+    Patch before wrapping the model (torch.compile, FSDP, LoRA adapters):
+    classes a wrapper made (FSDP's, say) are not in the table, and an MLP
+    whose projections an adapter wraps runs its original forward."""
     flags = dict(norm=norm, swiglu=swiglu, attention=attention, fuse_residual=fuse_residual)
     _check_args(model, flags)
     hf = _hf()

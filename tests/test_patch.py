@@ -2,9 +2,10 @@
 Hugging Face transformers integration (fusedops/hf.py; skipped without
 transformers).
 
-Tolerances: a patched model's logits and every parameter gradient are checked
-against the unpatched model run in float64 by the 2x rule (tests/tolerances.py),
-with the unpatched float32 model as the yardstick. The convergence test states
+Tolerances: a patched model's logits and every parameter gradient (fp32 and
+bf16) are checked against the unpatched model run in float64 by the 2x rule
+(tests/tolerances.py), with the unpatched model in the same dtype as the
+yardstick; where both sides run the same code, results must be equal. The convergence test states
 its own bound (see there)."""
 import copy
 import pickle
@@ -140,11 +141,13 @@ def _hf_run(model, ids, **kw):
 FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_patched_matches_unpatched(family):
+def test_hf_patched_matches_unpatched(family, dtype):
     torch.manual_seed(0)
     m = _hf_model(family)
     ref = copy.deepcopy(m).double()
+    m = m.to(dtype)
     ids = torch.randint(0, 96, (2, 19))
     keys = list(m.state_dict())
     logits0, g0 = _hf_run(m, ids)
@@ -172,6 +175,20 @@ def test_hf_patched_matches_unpatched(family):
     assert not any(k.startswith("_fusedops") for mod in m.modules() for k in mod.__dict__)
     logits1, g1 = _hf_run(m, ids)
     assert torch.equal(logits1, logits0) and all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_hf_float64_runs_the_original_math():
+    """The kernels take fp32, fp16 and bf16: a float64 model runs transformers'
+    own math, patched or not (attention through torch's SDPA)."""
+    m = _hf_model("Qwen3", dtype=torch.float64)
+    ref = copy.deepcopy(m)
+    fusedops.patch(m)
+    ids = torch.randint(0, 96, (2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusedops' SDPA: "dtypes ... calling torch's"
+        logits, g = _hf_run(m, ids)
+    logits_ref, g_ref = _hf_run(ref, ids)
+    assert torch.equal(logits, logits_ref) and all(torch.equal(g[n], g_ref[n]) for n in g_ref)
 
 
 def test_hf_fused_calls():
