@@ -409,3 +409,29 @@ def test_convergence():
     rel = ((patched - plain).abs() / plain).max().item()
     assert rel <= CONVERGENCE_RTOL, f"loss curves differ by {rel:.3g} relative (bound {CONVERGENCE_RTOL})"
     assert plain[-20:].mean() < plain[0] / 2, f"did not learn: {plain[0]:.3f} -> {plain[-20:].mean():.3f}"
+
+
+# --------------------------------------------------------------- the example and the benchmark
+def test_example_and_e2e_benchmark_run(tmp_path):
+    """examples/train.py and benchmarks/bench_e2e.py run (a few steps each,
+    no compile): what they write is there and the runs agree."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("example_train", root / "examples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    train.main(["--device", "cpu", "--steps", "4", "--batch", "2", "--seq", "32", "--out", str(tmp_path / "ex")])
+    summary = json.loads((tmp_path / "ex" / "summary.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["pytorch", "fusedops"]
+    assert summary["max_abs_loss_difference"] < 1e-3 and all(len(r["losses"]) == 4 for r in summary["runs"])
+
+    from benchmarks import bench_e2e
+    rows = bench_e2e.main(["--quick", "--modes", "eager,fusedops", "--steps", "1", "--warmup", "1",
+                           "--out", str(tmp_path / "b")])
+    assert [r["mode"] for r in rows] == ["eager", "fusedops"] and all("error" not in r for r in rows)
+    assert abs(rows[0]["last_loss"] - rows[1]["last_loss"]) < 1e-3
+    assert (tmp_path / "b" / "e2e.md").read_text().count("| eager |") == 1
