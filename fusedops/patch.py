@@ -64,10 +64,9 @@ def fused_class(original, namespace):
     named Fused<Original> and reachable as fusedops.patch.<name>, so that a
     patched model pickles (where its original classes do). One per original."""
     name = "Fused" + original.__name__
-    existing = globals().get(name)
-    if existing is not None and existing.__bases__ == (original,):
-        return existing
-    while name in globals():  # two originals of one name in different modules
+    while name in globals():  # made before, or another original of the same name
+        if globals()[name].__bases__ == (original,):
+            return globals()[name]
         name += "_"
     cls = type(name, (original,), {"__module__": __name__, "__qualname__": name,
                                    "_fusedops_fused": True, "_fusedops_base": original,
