@@ -17,7 +17,8 @@ The fusedops run is the plain one plus two lines:
     opt = fusedops.optim.FusedAdamW(model.parameters(), ...)
 
 Writes OUT/summary.json (per run: tokens/s, step time, peak GPU memory, final
-loss, the loss curve) and, where matplotlib is installed, OUT/loss.png.
+loss, the loss curve) and, where matplotlib is installed, OUT/loss.png
+(--plot-from OUT/summary.json draws it later, elsewhere).
 """
 import argparse
 import json
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot-from", metavar="SUMMARY_JSON",
+                   help="train nothing: draw loss.png beside a summary.json written before (on a machine "
+                        "without matplotlib, say)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     cfg = dict(CONFIGS["cuda" if args.device.type == "cuda" else "cpu"])
@@ -166,6 +170,12 @@ def plot(results, floor, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_from:
+        path = Path(args.plot_from)
+        summary = json.loads(path.read_text())
+        png = plot(summary["runs"], summary["entropy_floor"], path.parent / "loss.png")
+        print(f"wrote {png}" if png else "no matplotlib: no loss.png")
+        return
     try:
         import transformers  # noqa: F401
     except ImportError:
