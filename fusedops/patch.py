@@ -139,8 +139,17 @@ def _hf():
     then), else None: patching a plain model never imports transformers."""
     if "transformers" not in sys.modules:
         return None
-    from . import hf
+    try:
+        from . import hf
+    except ImportError as e:  # a transformers too old (or broken): plain models still patch
+        if not _hf_failed:
+            _hf_failed.append(e)
+            log.warning("fusedops.patch: Hugging Face layers not patched: fusedops.hf does not import (%s)", e)
+        return None
     return hf
+
+
+_hf_failed = []
 
 
 def _looks_replaceable(module, flags):

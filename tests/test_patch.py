@@ -113,6 +113,23 @@ def test_bad_input(call, match):
         call()
 
 
+def test_plain_models_patch_when_the_hf_module_does_not_import(monkeypatch, caplog):
+    """A transformers that fusedops.hf cannot use (too old, say) costs the
+    Hugging Face entries, with a warning, not plain-model patching."""
+    import sys
+    import types
+    patch_module = sys.modules["fusedops.patch"]  # (fusedops.patch is the function)
+    monkeypatch.setitem(sys.modules, "transformers", sys.modules.get("transformers", types.ModuleType("transformers")))
+    monkeypatch.setitem(sys.modules, "fusedops.hf", None)  # import fails
+    monkeypatch.delattr(fusedops, "hf", raising=False)
+    monkeypatch.setattr(patch_module, "_hf_failed", [])
+    m = fusedops.patch(Block())
+    assert type(m.ln) is fnn.LayerNorm
+    assert "Hugging Face layers not patched" in caplog.text
+    fusedops.unpatch(m)
+    assert type(m.ln) is torch.nn.LayerNorm
+
+
 def test_register_bad_flag():
     from fusedops.patch import register
     with pytest.raises(ValueError, match=r"fusedops.patch.register: flag is 'norms', expected one of"):
