@@ -6,6 +6,7 @@ and fusedops + torch.compile. Reports tokens/s, step time and peak memory.
     python -m benchmarks.bench_e2e                 # the ANCHORS.md configuration
     python -m benchmarks.bench_e2e --quick         # a tiny model: a smoke test (CPU)
     python -m benchmarks.bench_e2e --modes eager,fusedops --steps 20
+    python -m benchmarks.bench_e2e --modes fusedops --without attention   # an ablation
 
 The ANCHORS.md configuration: 748 M parameters (12 layers, hidden 2048, 16
 heads, MLP 5632, vocab 32000, untied embeddings), batch 4 x 2048 tokens, bf16
@@ -38,6 +39,7 @@ import fusedops  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 MODES = ("eager", "compile", "fusedops", "fusedops+compile")
+WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "adamw")
 GiB = 1 << 30
 
 # ANCHORS.md, End to end.
@@ -60,16 +62,22 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the configuration's)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the configuration's)")
     p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--without", default="", help="ablation: parts the fusedops modes leave out, of "
+                   f"{', '.join(WITHOUT)} (adamw: torch's fused AdamW instead of FusedAdamW)")
     p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; have {list(MODES)}")
+    args.without = [w.strip() for w in args.without.split(",") if w.strip()]
+    bad = [w for w in args.without if w not in WITHOUT]
+    if bad:
+        p.error(f"--without: unknown {bad}; have {list(WITHOUT)}")
     return args
 
 
-def build(cfg, mode, dtype, device, seed=0):
+def build(cfg, mode, dtype, device, without=(), seed=0):
     """The model and optimizer of one mode, from the same initial weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
     fused = mode.startswith("fusedops")
@@ -81,8 +89,9 @@ def build(cfg, mode, dtype, device, seed=0):
         model = LlamaForCausalLM(config).to(dtype)
     model.train()
     if fused:
-        fusedops.patch(model)
+        fusedops.patch(model, **{flag: False for flag in without if flag != "adamw"})
         print(f"  {model.fusedops_report}".replace("\n", "\n  "), file=sys.stderr)
+    if fused and "adamw" not in without:
         opt = fusedops.optim.FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
@@ -96,10 +105,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg, mode, dtype, device, warmup, steps):
+def run_mode(cfg, mode, dtype, device, warmup, steps, without=()):
     """Train warmup + steps steps; returns the result row."""
     torch._dynamo.reset()
-    model, run, opt = build(cfg, mode, dtype, device)
+    model, run, opt = build(cfg, mode, dtype, device, without)
     if device.type == "cuda":  # after the build, which holds an fp32 copy for a moment
         torch.cuda.reset_peak_memory_stats(device)
     params = sum(p.numel() for p in model.parameters())
@@ -153,7 +162,8 @@ def table(meta, rows):
             "loss first -> last"]
     lines = [f"# End to end: {meta['model']} on {meta['device']}", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, commit "
-             f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}.", "",
+             f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}"
+             + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
@@ -187,7 +197,8 @@ def main(argv=None):
         common.steady_host_allocator()
     meta = common.metadata(device, None)
     meta.update(transformers=transformers.__version__, model="LlamaForCausalLM " + ("quick" if quick else "ANCHORS"),
-                config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup)
+                config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup,
+                without=args.without)
     print(f"{meta['device']}: {meta['model']} {cfg}, {meta['dtype']}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +209,7 @@ def main(argv=None):
         warnings.simplefilter("once")
         for mode in args.modes:
             try:
-                rows.append(run_mode(cfg, mode, dtype, device, warmup, steps))
+                rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without))
             except Exception as e:  # noqa: BLE001  (an n/a row; the other modes still run)
                 print(f"\n  {mode}: failed: {common._short_error(e)}", file=sys.stderr)
                 rows.append({"mode": mode, "error": common._short_error(e)})
