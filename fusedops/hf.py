@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import functional as F
 from .nn import _KERNEL_DTYPES, glu_mlp_of, kernel_dtype
-from .patch import Replacement, add_norm, fused_class, hand_on, take_prenormed
+from .patch import Replacement, add_norm, can_hand_on, fused_class, hand_on, take_prenormed
 
 NAME = "fusedops"  # the attn_implementation
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -193,8 +193,8 @@ def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None
                                               # to the next layer's input norm
 
     The last step needs the next norm (linked by fusedops.patch) and is plain
-    `r + m` without it, under gradient checkpointing (the recomputed layer
-    would not find y) and under torch.compile (which fuses that add itself)."""
+    `r + m` without it, under activation checkpointing (patch.can_hand_on) and
+    under torch.compile (which fuses that add itself)."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
@@ -204,7 +204,8 @@ def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None
     hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     nxt = self.__dict__.get("_fusedops_next_norm")
-    if nxt is None or (self.gradient_checkpointing and self.training) or torch.compiler.is_compiling():
+    if (nxt is None or (self.gradient_checkpointing and self.training) or torch.compiler.is_compiling()
+            or not can_hand_on()):
         return residual + hidden_states
     y, s = nxt(hidden_states, residual)
     return hand_on(s, nxt, y)

@@ -277,6 +277,18 @@ def _link_residual_chains(model):
 _HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor))
 
 
+def can_hand_on():
+    """Whether a layer may hand its next norm's output along with its own.
+    Not under saved-tensor hooks: non-reentrant activation checkpointing
+    (torch.utils.checkpoint, FSDP's wrapper) recomputes a layer and requires
+    the same ops as in its forward, so a norm taken from the layer before in
+    the forward and computed in the recomputation fails its check. (Reentrant
+    checkpointing runs the forward under no_grad: take_prenormed refuses what
+    was made there.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is None
+
+
 def hand_on(s, norm, y):
     """Attach y = norm(s), computed in a fused add+norm, to the stream tensor s
     for `norm` to take when it is called on s."""
@@ -286,12 +298,15 @@ def hand_on(s, norm, y):
 
 def take_prenormed(norm, x):
     """norm(x) if it was computed already for this very tensor and norm module
-    (handed on by the layer before), else None. Taken once."""
+    (handed on by the layer before) and can be taken here, else None. Taken once."""
     handed = getattr(x, _HANDED, None)
     if handed is None or handed[0] is not norm:
         return None
     delattr(x, _HANDED)
-    return handed[1]
+    y = handed[1]
+    # y made without autograd while x has it (the layer before ran under
+    # no_grad, as reentrant checkpointing runs it): y would cut the graph.
+    return y if can_hand_on() and y.requires_grad == x.requires_grad else None
 
 
 def add_norm(norm, x, residual):

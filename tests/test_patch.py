@@ -318,6 +318,30 @@ def test_hf_hidden_states_checkpointing_generate():
         torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_checkpointing_outside_transformers(reentrant):
+    """Layers checkpointed by the user (torch.utils.checkpoint, as FSDP's
+    wrapper does): the recomputed layers run the same ops as their forward,
+    so nothing is handed from layer to layer there."""
+    import functools
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(f, *a, **kw):  # (the reentrant kind takes no keyword arguments)
+        return checkpoint(functools.partial(f, **kw), *a, use_reentrant=reentrant)
+    m = _hf_model("Llama", layers=3)
+    ref = copy.deepcopy(m)
+    fusedops.patch(m)
+    for model in (m, ref):
+        model.train()
+        for layer in model.model.layers:
+            layer.forward = functools.partial(checkpointed, layer.forward)
+    ids = torch.randint(0, 96, (2, 10))
+    _, g = _hf_run(m, ids, use_cache=False)
+    _, g_ref = _hf_run(ref, ids, use_cache=False)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=1e-5)
+
+
 def test_hf_mlp_that_cannot_be_fused():
     """A projection wrapped after patching (a LoRA adapter, say) or a hook on it
     makes the MLP run its original forward; one wrapped before, or an activation
