@@ -52,9 +52,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     first time, from fusedops.functional). Features of transformers' own
     function that this one has no equivalent for (softcap, position_bias, a
     paged cache, output_attentions) go to it whole."""
-    extra = [k for k in ("softcap", "position_bias", "cache", "output_attentions") if kwargs.get(k)]
+    extra = [k for k in ("softcap", "position_bias", "cache", "output_attentions")
+             if kwargs.get(k) is not None and kwargs.get(k) is not False]
     if extra:
-        if tuple(extra) not in _warned:
+        if tuple(extra) not in _warned and not torch.compiler.is_compiling():
             _warned.add(tuple(extra))
             warnings.warn(f"fusedops attention: {', '.join(extra)} not supported; calling "
                           "transformers' sdpa_attention_forward", stacklevel=2)

@@ -294,6 +294,25 @@ def test_hf_padding_mask_falls_back():
     torch.testing.assert_close(out[mask.bool()], want[mask.bool()], rtol=0, atol=1e-5)
 
 
+def test_hf_attention_features_it_lacks_go_to_transformers_sdpa():
+    """What transformers' sdpa function does that fusedops' does not (a
+    position bias, softcap) goes to that function whole, with a warning."""
+    pytest.importorskip("transformers")
+    from fusedops import hf
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    module = torch.nn.Module()
+    q, k, v = (torch.randn(2, 4, 7, 16) for _ in range(3))
+    bias = torch.randn(1, 4, 7, 7)
+    hf._warned.clear()
+    with pytest.warns(UserWarning, match="fusedops attention: position_bias not supported"):
+        out, _ = hf.attention_forward(module, q, k, v, None, scaling=0.25, position_bias=bias)
+    want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, position_bias=bias)
+    assert torch.equal(out, want)
+    out, _ = hf.attention_forward(module, q, k, v, None, scaling=0.25, is_causal=False)
+    want = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=1e-5)
+
+
 def test_hf_hidden_states_checkpointing_generate():
     """What a layer returns is the whole residual stream (output_hidden_states
     unchanged); gradient checkpointing and cached generation work."""
