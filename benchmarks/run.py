@@ -9,6 +9,7 @@ ops) or the matmul ceiling (compute-bound ones) measured in the same run.
 Writes DIR/results.json, DIR/results.md and DIR/results.png (default
 bench-results/); progress goes to stderr, the table is the last thing on stdout.
 Adding an op is one new bench_<op>.py exposing cases(device, quick, sweep).
+The end-to-end training benchmark runs on its own: python -m benchmarks.bench_e2e.
 """
 import argparse
 import importlib
@@ -26,8 +27,14 @@ from benchmarks import common  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+# bench_<name>.py files that are programs of their own, not op cases for this
+# suite: `python -m benchmarks.bench_e2e` (whole training steps of a model).
+STANDALONE = {"e2e"}
+
+
 def available_ops():
-    return sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
+    return sorted(op for op in (p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
+                  if op not in STANDALONE)
 
 
 def parse_args(argv=None):
@@ -46,6 +53,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(args.ops) - set(available_ops())
+    if unknown & STANDALONE:
+        p.error(f"{sorted(unknown & STANDALONE)} run on their own: python -m benchmarks.bench_<name>")
     if unknown:
         p.error(f"unknown op(s) {sorted(unknown)}; have {available_ops()}")
     return args

@@ -4,6 +4,7 @@ import torch  # noqa: F401  (first: the extension links against it)
 from . import _C  # registers torch.ops.fusedops.* (static initialisers in the library)
 from . import ops  # noqa: F401  (fake kernels and autograd)
 from . import functional, nn, optim  # noqa: F401
+from .patch import patch, unpatch  # noqa: E402  (fusedops.patch is the function; the module is in sys.modules)
 
 __version__ = "0.1.0"
 

@@ -269,7 +269,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q, k, v = query, key, value
     gap = _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa)
     if gap is not None:
-        if gap not in _warned:
+        # Not while dynamo traces: warnings.warn would break the graph at every
+        # attention call (compiled code falls back without saying so).
+        if gap not in _warned and not torch.compiler.is_compiling():
             _warned.add(gap)
             warnings.warn(f"fusedops.functional.scaled_dot_product_attention: {gap} is not "
                           "supported by fusedops' kernels; calling torch's", stacklevel=2)

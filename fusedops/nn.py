@@ -14,6 +14,19 @@ from . import functional as F
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def kernel_dtype(x):
+    """Whether the kernels take x (its autocast dtype, under autocast)."""
+    dev = x.device.type
+    return (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype) in _KERNEL_DTYPES
+
+
+def glu_mlp_of(module, x, activation):
+    """F.glu_mlp with the weights of a module holding gate_proj, up_proj and
+    down_proj (torch.nn.Linear): fusedops.nn.SwiGLU and the patched MLPs."""
+    g, u, d = module.gate_proj, module.up_proj, module.down_proj
+    return F.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, activation)
+
+
 def _flatten(module, x):
     """View x as [..., prod(normalized_shape)], checking the trailing shape as
     torch does."""
@@ -117,14 +130,12 @@ class SwiGLU(torch.nn.Module):
         return out
 
     def forward(self, x):
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        if dtype not in _KERNEL_DTYPES:  # e.g. float64: torch's own math
+        if not kernel_dtype(x):  # e.g. float64: torch's own math
             from . import reference
+            g, u, d = self.gate_proj, self.up_proj, self.down_proj
             return reference.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
                                      self.activation)
-        return F.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, self.activation)
+        return glu_mlp_of(self, x, self.activation)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -2,9 +2,11 @@
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests and
 # the fuzz sweep, run the benchmark suite, print a short table last.
 #   tools/gpu.sh [build|test|bench|all] [extra args for the benchmark runner]
+#   tools/gpu.sh e2e [extra args for benchmarks/bench_e2e.py]   (not part of all)
 # Environment: PYTEST_ARGS (extra pytest args, e.g. "-k cuda"), FUZZ_CASES
 # (default 300; 0 skips). Logs and results go to $OUT (the device tool's
-# folder) or ./gpu-out.
+# folder) or ./gpu-out. e2e needs transformers: installed, or wheels for this
+# Python carried in .whl/hf-py312 (the GPU machine has no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -36,6 +38,17 @@ if [[ $what == bench || $what == all ]]; then
   python3 -m benchmarks.run --out "$OUT" "$@" 2>"$OUT/bench-progress.log" >"$OUT/bench.txt"
   tail -5 "$OUT/bench-progress.log"
 fi
+if [[ $what == e2e ]]; then
+  python3 -c "import transformers" 2>/dev/null \
+    || python3 -m pip install -q --no-index --find-links .whl/hf-py312 transformers >"$OUT/hf-install.log" 2>&1 \
+    || { tail -20 "$OUT/hf-install.log"; echo "NO TRANSFORMERS"; exit 1; }
+  # The training example: the plain and patched loss curves in bf16 (the convergence comparison).
+  python3 examples/train.py --out "$OUT/train" >"$OUT/train.log" 2>&1 || rc=1
+  tail -4 "$OUT/train.log"
+  python3 -m benchmarks.bench_e2e --out "$OUT" "$@" 2>"$OUT/e2e-progress.log" >"$OUT/e2e.txt" || rc=1
+  tail -5 "$OUT/e2e-progress.log"
+fi
 echo "$summary"
 [[ -f $OUT/bench.txt ]] && cat "$OUT/bench.txt"
+[[ -f $OUT/e2e.txt ]] && cat "$OUT/e2e.txt"
 exit $rc

@@ -1,0 +1,228 @@
+"""End to end: training steps of Hugging Face's LlamaForCausalLM, four ways in
+one run: eager PyTorch (SDPA attention), torch.compile(model), fusedops
+(fusedops.patch: fused norms, residual adds, MLP and attention, FusedAdamW)
+and fusedops + torch.compile. Reports tokens/s, step time and peak memory.
+
+    python -m benchmarks.bench_e2e                 # the ANCHORS.md configuration
+    python -m benchmarks.bench_e2e --quick         # a tiny model: a smoke test (CPU)
+    python -m benchmarks.bench_e2e --modes eager,fusedops --steps 20
+    python -m benchmarks.bench_e2e --modes fusedops --without attention   # an ablation
+
+The ANCHORS.md configuration: 748 M parameters (12 layers, hidden 2048, 16
+heads, MLP 5632, vocab 32000, untied embeddings), batch 4 x 2048 tokens, bf16
+parameters, AdamW (torch's fused=True for eager and compile, fusedops'
+FusedAdamW for the fusedops modes), random initial weights and token ids. A
+step is forward + loss, backward, optimizer step, zero_grad; timed per step
+(CUDA events on a GPU) after warm-up steps, which include compilation. Peak
+memory is torch.cuda.max_memory_allocated over warm-up and timed steps
+(parameters, gradients, optimizer state and activations).
+
+Needs transformers (pip install fusedops[hf]). Not part of `python -m
+benchmarks.run` (whose bench_<op>.py files time one op each): run it on its
+own. Writes OUT/e2e.json and OUT/e2e.md (default bench-results/).
+"""
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fusedops` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import fusedops  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+MODES = ("eager", "compile", "fusedops", "fusedops+compile")
+WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "adamw")
+GiB = 1 << 30
+
+# ANCHORS.md, End to end.
+ANCHOR = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
+              num_attention_heads=16, num_key_value_heads=16, batch=4, seq=2048)
+# --quick: a few seconds a step on 2 CPU cores (compile takes longer).
+QUICK = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, batch=2, seq=128)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model (smoke test; the default on a CPU)")
+    p.add_argument("--full", action="store_true", help="the ANCHORS.md model even on a CPU")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on a GPU, 3 on a CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5 / 2)")
+    p.add_argument("--batch", type=int, help="sequences per step (default: the configuration's)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the configuration's)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the configuration's)")
+    p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--without", default="", help="ablation: parts the fusedops modes leave out, of "
+                   f"{', '.join(WITHOUT)} (adamw: torch's fused AdamW instead of FusedAdamW)")
+    p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        p.error(f"--modes: unknown {bad}; have {list(MODES)}")
+    args.without = [w.strip() for w in args.without.split(",") if w.strip()]
+    bad = [w for w in args.without if w not in WITHOUT]
+    if bad:
+        p.error(f"--without: unknown {bad}; have {list(WITHOUT)}")
+    return args
+
+
+def build(cfg, mode, dtype, device, without=(), seed=0):
+    """The model and optimizer of one mode, from the same initial weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    fused = mode.startswith("fusedops")
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "seq")},
+                         max_position_embeddings=cfg["seq"], tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.train()
+    if fused:
+        fusedops.patch(model, **{flag: False for flag in without if flag != "adamw"})
+        print(f"  {model.fusedops_report}".replace("\n", "\n  "), file=sys.stderr)
+    if fused and "adamw" not in without:
+        opt = fusedops.optim.FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                fused=device.type == "cuda" or None)
+    run = torch.compile(model) if mode.endswith("compile") else model
+    return model, run, opt
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(cfg, mode, dtype, device, warmup, steps, without=()):
+    """Train warmup + steps steps; returns the result row."""
+    torch._dynamo.reset()
+    model, run, opt = build(cfg, mode, dtype, device, without)
+    if device.type == "cuda":  # after the build, which holds an fp32 copy for a moment
+        torch.cuda.reset_peak_memory_stats(device)
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+
+    def step():
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times, warm_s = [], [], 0.0
+    t0 = time.perf_counter()
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step())
+            end.record()
+            times.append((start, end))
+        else:
+            t = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - t)
+        if i == warmup - 1:
+            _sync(device)
+            warm_s = time.perf_counter() - t0
+        print(f"\r  {mode}: step {i + 1}/{warmup + steps}", end="", file=sys.stderr, flush=True)
+    _sync(device)
+    print(file=sys.stderr)
+    secs = [s.elapsed_time(e) / 1e3 for s, e in times] if device.type == "cuda" else times
+    ms = statistics.median(secs[warmup:]) * 1e3
+    tokens = cfg["batch"] * cfg["seq"]
+    row = {"mode": mode, "params": params, "tokens_per_step": tokens, "step_ms": ms,
+           "tokens_per_s": tokens / ms * 1e3, "warmup_s": round(warm_s, 1),
+           "first_loss": losses[0].item(), "last_loss": losses[-1].item(),
+           "peak_GiB": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None}
+    del model, run, opt, losses
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(meta, rows):
+    """Markdown: one row per mode, with tokens/s and memory against compile's."""
+    base = next((r for r in rows if r["mode"] == "compile" and "error" not in r), None)
+    head = ["mode", "tokens/s", "step ms", "peak GiB", "vs compile (tokens/s)", "vs compile (memory)",
+            "loss first -> last"]
+    lines = [f"# End to end: {meta['model']} on {meta['device']}", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, commit "
+             f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}"
+             + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "") + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | n/a: {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        peak = "" if r["peak_GiB"] is None else f"{r['peak_GiB']:.2f}"
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
+        mem = f"{r['peak_GiB'] / base['peak_GiB']:.2f}x" if base and r["peak_GiB"] else ""
+        lines.append(f"| {r['mode']} | {r['tokens_per_s'] / 1e3:.2f} k | {r['step_ms']:.1f} | {peak} | "
+                     f"{speed} | {mem} | {r['first_loss']:.4f} -> {r['last_loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("bench_e2e needs transformers: pip install fusedops[hf]")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    quick = args.quick or (not gpu and not args.full)
+    cfg = dict(QUICK if quick else ANCHOR)
+    for k, v in (("batch", args.batch), ("seq", args.seq), ("num_hidden_layers", args.layers)):
+        if v is not None:
+            cfg[k] = v
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    steps = args.steps if args.steps is not None else (20 if gpu else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
+    if device.type == "cpu":
+        common.steady_host_allocator()
+    meta = common.metadata(device, None)
+    meta.update(transformers=transformers.__version__, model="LlamaForCausalLM " + ("quick" if quick else "ANCHORS"),
+                config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup,
+                without=args.without)
+    print(f"{meta['device']}: {meta['model']} {cfg}, {meta['dtype']}", file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with warnings.catch_warnings():
+        # fusedops' SDPA says once per reason when it hands a call to torch's;
+        # shown once here too, not per mode.
+        warnings.simplefilter("once")
+        for mode in args.modes:
+            try:
+                rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without))
+            except Exception as e:  # noqa: BLE001  (an n/a row; the other modes still run)
+                print(f"\n  {mode}: failed: {common._short_error(e)}", file=sys.stderr)
+                rows.append({"mode": mode, "error": common._short_error(e)})
+                gc.collect()
+                if gpu:
+                    torch.cuda.empty_cache()
+            (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    md = table(meta, rows)
+    (out / "e2e.md").write_text(md)
+    print(f"wrote {out}/e2e.json, e2e.md", file=sys.stderr)
+    print(md, end="")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Hugging Face transformers integration (pip install fusedops[hf]).
+
+Importing this module registers "fusedops" in transformers' attention registry,
+so that
+
+    import fusedops.hf
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fusedops")
+
+runs attention through fusedops.functional.scaled_dot_product_attention, and
+adds the entries of fusedops.patch's table for the Llama, Mistral, Qwen2 and
+Qwen3 families (their decoder layers are one code: transformers generates the
+others from Llama's):
+
+  <Family>RMSNorm       forward(x) -> fused RMSNorm; forward(x, residual) ->
+                        (out, x + residual), the fused add+norm
+  <Family>MLP           the fused gated MLP (fusedops.functional.glu_mlp),
+                        activations silu and gelu-tanh
+  <Family>DecoderLayer  fuse_residual: the residual adds go into the norms after
+                        them (see _decoder_forward)
+
+fusedops.patch(model) uses them; nothing here needs calling by hand.
+"""
+import importlib
+import inspect
+import warnings
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import functional as F
+from .nn import _KERNEL_DTYPES, glu_mlp_of, kernel_dtype
+from .patch import Replacement, add_norm, can_hand_on, fused_class, hand_on, take_prenormed
+
+NAME = "fusedops"  # the attn_implementation
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+# --------------------------------------------------------------- attention
+_warned = set()
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention interface (as its sdpa_attention_forward):
+    query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) -> ((B, Sq, Hq, D), None).
+
+    Masks are made as for "sdpa" (registered below): None where the causal
+    flag says it all, which is the case fusedops' kernels take; a padding
+    mask, dropout or what the kernels lack goes to torch's SDPA (a warning the
+    first time, from fusedops.functional). Features of transformers' own
+    function that this one has no equivalent for (softcap, position_bias, a
+    paged cache, output_attentions) go to it whole."""
+    extra = [k for k in ("softcap", "position_bias", "cache", "output_attentions")
+             if kwargs.get(k) is not None and kwargs.get(k) is not False]
+    if extra:
+        if tuple(extra) not in _warned and not torch.compiler.is_compiling():
+            _warned.add(tuple(extra))
+            warnings.warn(f"fusedops attention: {', '.join(extra)} not supported; calling "
+                          "transformers' sdpa_attention_forward", stacklevel=2)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    # As transformers' sdpa: one query token attends to every key (decoding).
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         is_causal=causal, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register():
+    """Make attn_implementation="fusedops" known to transformers (done on import)."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+register()
+
+
+def set_attention(model, report):
+    """Every Hugging Face (sub)model in `model` to attn_implementation="fusedops",
+    remembering the one it had for unpatch."""
+    done = set()
+    for path, m in model.named_modules():
+        if not isinstance(m, PreTrainedModel) or id(m.config) in done:
+            continue
+        done.update(id(c) for c in _configs(m))
+        old = m.config._attn_implementation
+        if old == NAME:
+            continue
+        try:
+            m.set_attn_implementation(NAME)
+        except (ValueError, KeyError) as e:
+            report.skipped.append((path, type(m).__name__, f"attention not set: {e}"))
+            continue
+        if m.config._attn_implementation != NAME:  # transformers declined (and logged why)
+            report.skipped.append((path, type(m).__name__, "attention not set: the model does not "
+                                   "take an attention implementation from transformers' registry"))
+            continue
+        m.__dict__["_fusedops_attn_implementation"] = old
+        report.attention.append((path, old, NAME))
+
+
+def _configs(model):
+    return [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+
+def restore_attention(module):
+    old = module.__dict__.get("_fusedops_attn_implementation")
+    if old is not None and isinstance(module, PreTrainedModel):
+        module.set_attn_implementation(old)
+
+
+# --------------------------------------------------------------- RMSNorm
+def _rms_norm_forward(self, hidden_states, residual=None):
+    """As the original's forward; with a residual, (norm(x + residual), x + residual)
+    in one fused call."""
+    x = hidden_states
+    if residual is None:
+        y = take_prenormed(self, x)
+        if y is not None:
+            return y
+    w = self.weight
+    if x.dtype not in _KERNEL_DTYPES or w.dtype not in _KERNEL_DTYPES:  # float64, say: its own math
+        s = x if residual is None else residual + x
+        y = self._fusedops_base.forward(self, s)
+        return y if residual is None else (y, s)
+    out_dtype = torch.promote_types(w.dtype, x.dtype)  # the original multiplies in this dtype
+    if residual is None:
+        y = F.rms_norm(x, w, self.variance_epsilon)
+    else:
+        y, s = F.fused_add_rms_norm(x, residual, w, self.variance_epsilon)
+    y = y if y.dtype == out_dtype else y.to(out_dtype)
+    return y if residual is None else (y, s)
+
+
+_NORM = {"forward": _rms_norm_forward}
+
+
+def _make_rms_norm(module):
+    if not isinstance(getattr(module, "weight", None), torch.nn.Parameter) or module.weight.dim() != 1:
+        return "weight is not a 1-D parameter"
+    if not isinstance(getattr(module, "variance_epsilon", None), float):
+        return "no float variance_epsilon"
+    return fused_class(type(module), _NORM)
+
+
+# --------------------------------------------------------------- MLP
+# transformers' activation modules (ACT2FN) the fused MLP computes exactly.
+ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh",
+               "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _plain_linear(m):
+    return type(m) is torch.nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def _mlp_forward(self, x):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) in fusedops.functional.glu_mlp,
+    while the projections are plain torch.nn.Linear (a LoRA wrapper or a hook
+    added after patching makes it the original's forward again)."""
+    if not (kernel_dtype(x) and all(_plain_linear(getattr(self, p)) for p in _PROJECTIONS)):
+        return self._fusedops_base.forward(self, x)
+    return glu_mlp_of(self, x, self._fusedops_activation)
+
+
+_MLP = {"forward": _mlp_forward}
+
+
+def _make_mlp(module):
+    act = ACTIVATIONS.get(type(getattr(module, "act_fn", None)).__name__)
+    if act is None:
+        return (f"activation {type(getattr(module, 'act_fn', None)).__name__} (the fused MLP "
+                f"takes {sorted(set(ACTIVATIONS))})")
+    for p in _PROJECTIONS:
+        if not _plain_linear(getattr(module, p, None)):
+            return f"{p} is a {type(getattr(module, p, None)).__name__}, not a plain torch.nn.Linear"
+    return fused_class(type(module), _MLP), {"activation": act}
+
+
+# --------------------------------------------------------------- decoder layer
+def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                     use_cache=False, position_embeddings=None, **kwargs):
+    """LlamaDecoderLayer.forward with its residual adds moved into the norms:
+
+        h = input_norm(x)                     # computed by the layer before, if linked
+        a = self_attn(h)
+        h, r = post_attention_norm(a, x)      # r = x + a, fused
+        m = mlp(h)
+        return next_norm(m, r) -> (y, s)      # s = r + m, fused; y goes along with s
+                                              # to the next layer's input norm
+
+    The last step needs the next norm (linked by fusedops.patch) and is plain
+    `r + m` without it, under activation checkpointing (patch.can_hand_on) and
+    under torch.compile (which fuses that add itself)."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
+        **kwargs)
+    hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    nxt = self.__dict__.get("_fusedops_next_norm")
+    if (nxt is None or (self.gradient_checkpointing and self.training) or torch.compiler.is_compiling()
+            or not can_hand_on()):
+        return residual + hidden_states
+    y, s = nxt(hidden_states, residual)
+    return hand_on(s, nxt, y)
+
+
+_DECODER_ARGS = ["self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
+                 "use_cache", "position_embeddings", "kwargs"]
+_DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+_DECODER = {"forward": _decoder_forward, "_fusedops_input_norm": "input_layernorm",
+            "_fusedops_final_norm": "norm"}
+
+
+def _make_decoder(module):
+    missing = [p for p in _DECODER_PARTS if not isinstance(getattr(module, p, None), torch.nn.Module)]
+    if missing:
+        return f"no {', '.join(missing)}"
+    return fused_class(type(module), _DECODER)
+
+
+def _decoder_source(cls):
+    return inspect.getsource(inspect.unwrap(cls.forward)).split(":", 1)[1]  # without the def line
+
+
+# --------------------------------------------------------------- the table
+_table = None
+
+
+def replacements():
+    """{class: Replacement} for the families above that this transformers has.
+    A decoder layer is only listed when its forward is the one _decoder_forward
+    reimplements: same arguments, same source as Llama's."""
+    global _table
+    if _table is not None:
+        return _table
+    table, llama_decoder = {}, None
+    for module_name, prefix in FAMILIES.items():
+        try:
+            mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        except ImportError:
+            continue
+        norm, mlp, decoder = (getattr(mod, prefix + s, None) for s in ("RMSNorm", "MLP", "DecoderLayer"))
+        entries = [(norm, "norm", _make_rms_norm, _NORM), (mlp, "swiglu", _make_mlp, _MLP)]
+        if decoder is not None:
+            args = list(inspect.signature(inspect.unwrap(decoder.forward)).parameters)
+            llama_decoder = llama_decoder or _decoder_source(decoder)
+            if args == _DECODER_ARGS and _decoder_source(decoder) == llama_decoder:
+                entries.append((decoder, "fuse_residual", _make_decoder, _DECODER))
+        for cls, flag, make, namespace in entries:
+            if cls is not None:
+                table[cls] = Replacement(flag, make)
+                fused_class(cls, namespace)  # made now, so that unpickling finds it
+    _table = table
+    return table

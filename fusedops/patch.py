@@ -1,0 +1,318 @@
+"""Swap the layers of an existing model for fusedops' fused ones, in place, and
+undo it:
+
+    model = fusedops.patch(model)      # norms, MLPs, attention, residual adds
+    print(model.fusedops_report)       # what was replaced and what could not be
+    fusedops.unpatch(model)            # the original layers again
+
+A module is replaced by changing its class to a subclass of its own class whose
+forward calls the fused kernels. Parameters, buffers, hooks, devices, dtypes,
+state_dict keys and isinstance checks are unchanged, so an optimizer built
+before patching keeps working and checkpoints load both ways; unpatch puts the
+original class back.
+
+What is replaced is one table, REPLACEMENTS, from a module class (matched
+exactly, not its subclasses, whose forward may differ) to a Replacement: the
+patch() flag that enables it and make(module), which returns the class to swap
+in (and attributes the new forward reads), or a string saying why this module
+cannot be replaced. The plain PyTorch entries are here; fusedops/hf.py adds the
+Hugging Face transformers ones once transformers has been imported (a
+transformers model cannot exist before). register() adds an entry.
+"""
+import logging
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import nn as fnn
+
+log = logging.getLogger("fusedops")
+
+FLAGS = ("norm", "swiglu", "attention", "fuse_residual")
+_ORIGINAL = "_fusedops_original_class"  # in a patched module's __dict__: the class to restore
+_PREFIX = "_fusedops_"                  # every attribute patching adds starts with this
+
+
+@dataclass
+class Replacement:
+    """flag: the patch() argument that enables it. make(module) -> the class to
+    swap in, or (class, {name: value}) with attributes the new forward reads
+    (stored on the module as _fusedops_<name>), or a string: why not."""
+    flag: str
+    make: Callable
+
+
+REPLACEMENTS = {
+    torch.nn.LayerNorm: Replacement("norm", lambda m: fnn.LayerNorm),
+    torch.nn.RMSNorm: Replacement("norm", lambda m: fnn.RMSNorm),
+}
+
+
+def register(cls, flag, make):
+    """Replace modules of exactly class `cls` with make(module) when `flag` is on."""
+    if flag not in FLAGS:
+        raise ValueError(f"fusedops.patch.register: flag is {flag!r}, expected one of {FLAGS}")
+    REPLACEMENTS[cls] = Replacement(flag, make)
+
+
+# --------------------------------------------------------------- fused classes
+def fused_class(original, namespace):
+    """A subclass of `original` with the given methods (a forward, at least),
+    named Fused<Original> and reachable as fusedops.patch.<name>, so that a
+    patched model pickles (where its original classes do). One per original."""
+    name = "Fused" + original.__name__
+    while name in globals():  # made before, or another original of the same name
+        if globals()[name].__bases__ == (original,):
+            return globals()[name]
+        name += "_"
+    cls = type(name, (original,), {"__module__": __name__, "__qualname__": name,
+                                   "_fusedops_fused": True, "_fusedops_base": original,
+                                   **namespace})
+    globals()[name] = cls
+    return cls
+
+
+def __getattr__(name):
+    # Unpickling a patched model in a fresh process: the Fused* classes are
+    # made when the tables are built, which needs transformers' entries loaded.
+    if name.startswith("Fused"):
+        try:
+            from . import hf
+        except ImportError:  # no transformers
+            pass
+        else:
+            hf.replacements()
+            if name in globals():
+                return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_fused(module):
+    return getattr(type(module), "_fusedops_fused", False) or type(module) in (fnn.LayerNorm, fnn.RMSNorm)
+
+
+# --------------------------------------------------------------- the report
+@dataclass
+class PatchReport:
+    """What fusedops.patch did: replaced is [(module path, old class, new class)],
+    skipped is [(module path, class, why it was not replaced)], attention is
+    [(module path, old implementation, new)]."""
+    replaced: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    attention: list = field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"fusedops.patch: replaced {len(self.replaced)} module(s)"]
+        for (old, new), n in Counter((o, n) for _, o, n in self.replaced).items():
+            lines.append(f"  {n} x {old} -> {new}")
+        for path, old, new in self.attention:
+            lines.append(f"  attention of {path or 'the model'}: {old} -> {new}")
+        if self.skipped:
+            lines.append(f"not replaced: {len(self.skipped)} module(s)")
+            for (cls, why), paths in _group(self.skipped).items():
+                lines.append(f"  {len(paths)} x {cls} ({paths[0] or 'the model'}"
+                             f"{', ...' if len(paths) > 1 else ''}): {why}")
+        return "\n".join(lines)
+
+
+def _group(skipped):
+    out = {}
+    for path, cls, why in skipped:
+        out.setdefault((cls, why), []).append(path)
+    return out
+
+
+# --------------------------------------------------------------- patch / unpatch
+def _check_args(model, flags):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fusedops.patch: model is a {type(model).__name__}, expected a torch.nn.Module")
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"fusedops.patch: {k} is {v!r} ({type(v).__name__}), expected True or False")
+
+
+def _hf():
+    """fusedops.hf once transformers is imported (a model of its can only exist
+    then), else None: patching a plain model never imports transformers."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from . import hf
+    except ImportError as e:  # a transformers too old (or broken): plain models still patch
+        if not _hf_failed:
+            _hf_failed.append(e)
+            log.warning("fusedops.patch: Hugging Face layers not patched: fusedops.hf does not import (%s)", e)
+        return None
+    return hf
+
+
+_hf_failed = []
+
+
+def _looks_replaceable(module, flags):
+    """Why a module of a class that is not in the table looks like one that
+    patching would want to replace (None if it does not): so that the report
+    says what stayed as it was."""
+    cls = type(module)
+    name = cls.__name__
+    if is_fused(module) or isinstance(module, fnn.SwiGLU):
+        return None
+    if flags["norm"] and (name.endswith(("LayerNorm", "RMSNorm"))
+                          or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))):
+        return "no fused replacement for this norm class"
+    if flags["swiglu"] and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        return "no fused replacement for this MLP class"
+    if flags["attention"] and isinstance(module, torch.nn.MultiheadAttention):
+        return "torch.nn.MultiheadAttention is not replaced (call fusedops.functional.scaled_dot_product_attention)"
+    if flags["fuse_residual"] and name.endswith("DecoderLayer"):
+        return "no fused-residual forward for this layer class"
+    return None
+
+
+def _swap(module, made):
+    cls, attrs = made if isinstance(made, tuple) else (made, {})
+    old = type(module)
+    module.__dict__[_ORIGINAL] = old
+    for k, v in attrs.items():
+        module.__dict__[_PREFIX + k] = v
+    module.__class__ = cls
+    return old
+
+
+def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
+    """Replace the layers of `model` that fusedops has fused kernels for, in
+    place, and return the model.
+
+    norm: torch.nn.LayerNorm / RMSNorm and the RMSNorms of Hugging Face Llama,
+    Mistral, Qwen2 and Qwen3. swiglu: their gated MLPs. attention: a Hugging
+    Face model's attention implementation becomes "fusedops"
+    (fusedops.functional.scaled_dot_product_attention). fuse_residual: in their
+    decoder layers, the residual add before the post-attention norm and the one
+    before the next layer's input norm (or the final norm) become fused
+    add+norm calls.
+
+    The report (model.fusedops_report, also logged to the "fusedops" logger)
+    lists what was replaced and what was not, and why. Patching twice changes
+    nothing more; fusedops.unpatch(model) undoes it.
+
+    Patch before wrapping the model (torch.compile, FSDP, LoRA adapters):
+    classes a wrapper made (FSDP's, say) are not in the table, and an MLP
+    whose projections an adapter wraps runs its original forward."""
+    flags = dict(norm=norm, swiglu=swiglu, attention=attention, fuse_residual=fuse_residual)
+    _check_args(model, flags)
+    hf = _hf()
+    table = {**REPLACEMENTS, **(hf.replacements() if hf else {})}
+    report = PatchReport()
+    for path, module in model.named_modules():
+        if _ORIGINAL in module.__dict__:  # patched before
+            continue
+        rule = table.get(type(module))
+        if rule is None:
+            why = _looks_replaceable(module, flags)
+            if why:
+                report.skipped.append((path, type(module).__name__, why))
+            continue
+        if not flags[rule.flag]:
+            continue
+        made = rule.make(module)
+        if isinstance(made, str):
+            report.skipped.append((path, type(module).__name__, made))
+            continue
+        old = _swap(module, made)
+        report.replaced.append((path, old.__name__, type(module).__name__))
+    if fuse_residual:
+        _link_residual_chains(model)
+    if attention and hf:
+        hf.set_attention(model, report)
+    model.__dict__["fusedops_report"] = report
+    log.info("%s", report)
+    for path, cls, why in report.skipped:
+        log.debug("fusedops.patch: not replaced: %s (%s): %s", path, cls, why)
+    return model
+
+
+def unpatch(model):
+    """Put back every layer fusedops.patch replaced in `model` (and its
+    attention implementation); returns the model."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fusedops.unpatch: model is a {type(model).__name__}, expected a torch.nn.Module")
+    hf = _hf()
+    for module in model.modules():
+        original = module.__dict__.get(_ORIGINAL)
+        if original is not None:
+            module.__class__ = original
+        if hf:
+            hf.restore_attention(module)
+        for k in [k for k in module.__dict__ if k.startswith(_PREFIX)]:
+            del module.__dict__[k]
+    model.__dict__.pop("fusedops_report", None)
+    return model
+
+
+# --------------------------------------------------------------- residual chains
+def _link_residual_chains(model):
+    """Give each fused decoder layer in a ModuleList the norm that reads its
+    output next: the next layer's input norm, or for the last layer its
+    owner's final norm. The layer then returns x + residual computed by that
+    norm's fused add+norm and hands the norm's output along (see
+    take_prenormed). Only fused norms are linked (an unfused one could not use
+    what is handed along)."""
+    for owner in model.modules():
+        for child in owner.children():
+            if not isinstance(child, torch.nn.ModuleList):
+                continue
+            layers = [m for m in child if getattr(type(m), "_fusedops_input_norm", None)]
+            if len(layers) != len(child) or not layers:
+                continue
+            following = [getattr(m, m._fusedops_input_norm) for m in layers[1:]]
+            following.append(getattr(owner, layers[-1]._fusedops_final_norm, None))
+            for layer, nxt in zip(layers, following):
+                if nxt is not None and is_fused(nxt):
+                    layer.__dict__[_PREFIX + "next_norm"] = nxt  # not a submodule: no new state_dict key
+
+
+_HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor))
+
+
+def can_hand_on():
+    """Whether a layer may hand its next norm's output along with its own.
+    Not under saved-tensor hooks: non-reentrant activation checkpointing
+    (torch.utils.checkpoint, FSDP's wrapper) recomputes a layer and requires
+    the same ops as in its forward, so a norm taken from the layer before in
+    the forward and computed in the recomputation fails its check. (Reentrant
+    checkpointing runs the forward under no_grad: take_prenormed refuses what
+    was made there.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is None
+
+
+def hand_on(s, norm, y):
+    """Attach y = norm(s), computed in a fused add+norm, to the stream tensor s
+    for `norm` to take when it is called on s."""
+    setattr(s, _HANDED, (norm, y))
+    return s
+
+
+def take_prenormed(norm, x):
+    """norm(x) if it was computed already for this very tensor and norm module
+    (handed on by the layer before) and can be taken here, else None. Taken once."""
+    handed = getattr(x, _HANDED, None)
+    if handed is None or handed[0] is not norm:
+        return None
+    delattr(x, _HANDED)
+    y = handed[1]
+    # y made without autograd while x has it (the layer before ran under
+    # no_grad, as reentrant checkpointing runs it): y would cut the graph.
+    return y if can_hand_on() and y.requires_grad == x.requires_grad else None
+
+
+def add_norm(norm, x, residual):
+    """(norm(x + residual), x + residual): one fused call where norm is a fused
+    module, the plain add and the module otherwise."""
+    if is_fused(norm):
+        return norm(x, residual)
+    s = residual + x
+    return norm(s), s
