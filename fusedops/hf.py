@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import functional as F
-from .nn import _KERNEL_DTYPES, glu_mlp_of, kernel_dtype
+from .nn import _KERNEL_DTYPES, glu_mlp_of, join_gate_up, kernel_dtype
 from .patch import Replacement, add_norm, can_hand_on, fused_class, hand_on, take_prenormed
 
 NAME = "fusedops"  # the attn_implementation
@@ -167,7 +167,14 @@ def _mlp_forward(self, x):
     return glu_mlp_of(self, x, self._fusedops_activation)
 
 
-_MLP = {"forward": _mlp_forward}
+def _mlp_apply(self, fn, *args, **kwargs):
+    """nn.Module._apply (.to() and the like), then gate and up joined again."""
+    out = self._fusedops_base._apply(self, fn, *args, **kwargs)
+    join_gate_up(self)
+    return out
+
+
+_MLP = {"forward": _mlp_forward, "_apply": _mlp_apply, "_fusedops_patched": join_gate_up}
 
 
 def _make_mlp(module):

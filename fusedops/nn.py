@@ -27,6 +27,25 @@ def glu_mlp_of(module, x, activation):
     return F.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, activation)
 
 
+def join_gate_up(module):
+    """Put module.up_proj's weight directly after module.gate_proj's in one
+    storage, so that glu_mlp runs both projections as one matmul (see
+    fusedops.functional._joint_weight). The parameters stay two, with their
+    names, values and identities (optimizers holding them are unaffected);
+    only where they live changes. To be done again after .to() and the like,
+    which give each parameter storage of its own."""
+    wg, wu = module.gate_proj.weight, module.up_proj.weight
+    if (type(wg) is not torch.nn.Parameter or type(wu) is not torch.nn.Parameter
+            or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
+            or wg.device.type == "meta" or wg.numel() == 0 or F._joint_weight(wg, wu) is not None):
+        return
+    joint = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device=wg.device)
+    with torch.no_grad():
+        joint[:wg.shape[0]].copy_(wg)
+        joint[wg.shape[0]:].copy_(wu)
+    wg.data, wu.data = joint[:wg.shape[0]], joint[wg.shape[0]:]
+
+
 def _flatten(module, x):
     """View x as [..., prod(normalized_shape)], checking the trailing shape as
     torch does."""
@@ -104,29 +123,11 @@ class SwiGLU(torch.nn.Module):
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
-        self._join_gate_up()
-
-    def _join_gate_up(self):
-        """Put up_proj's weight directly after gate_proj's in one storage, so
-        that the forward runs both projections as one matmul (see
-        fusedops.functional.glu_mlp). The parameters stay two, with their
-        names and values; only where they live changes. Done again after
-        .to() and the like, which give each parameter storage of its own."""
-        wg, wu = self.gate_proj.weight, self.up_proj.weight
-        if (type(wg) is not torch.nn.Parameter or type(wu) is not torch.nn.Parameter
-                or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
-                or wg.device.type == "meta" or wg.numel() == 0
-                or F._joint_weight(wg, wu) is not None):
-            return
-        joint = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device=wg.device)
-        with torch.no_grad():
-            joint[:wg.shape[0]].copy_(wg)
-            joint[wg.shape[0]:].copy_(wu)
-        wg.data, wu.data = joint[:wg.shape[0]], joint[wg.shape[0]:]
+        join_gate_up(self)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
-        self._join_gate_up()
+        join_gate_up(self)
         return out
 
     def forward(self, x):

@@ -179,6 +179,8 @@ def _swap(module, made):
     for k, v in attrs.items():
         module.__dict__[_PREFIX + k] = v
     module.__class__ = cls
+    if hasattr(cls, "_fusedops_patched"):  # what the replacement sets up in the module
+        module._fusedops_patched()
     return old
 
 

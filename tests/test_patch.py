@@ -253,6 +253,22 @@ def test_hf_fuse_residual_with_unfused_norms():
     assert torch.equal(m(ids).logits, ref(ids).logits)
 
 
+def test_hf_mlp_gate_up_joined():
+    """Patching puts each MLP's gate and up weights in one allocation (one
+    matmul for both, fusedops.nn.join_gate_up), kept through .to(); the
+    parameters an optimizer made before patching are the model's still."""
+    m = _hf_model("Llama")
+    before = list(m.parameters())
+    fusedops.patch(m)
+    assert all(a is b for a, b in zip(before, m.parameters()))
+    for dtype in (None, torch.bfloat16):
+        if dtype is not None:
+            m = m.to(dtype)
+        for layer in m.model.layers:
+            mlp = layer.mlp
+            assert fusedops.functional._joint_weight(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
+
+
 def test_hf_state_dict_loads_both_ways():
     m = _hf_model("Qwen3")
     other = copy.deepcopy(m)
