@@ -7,10 +7,16 @@ Impls: fusedops.functional.flash_attention, eager fusedops.reference.attention
 on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
 the CPU torch's SDPA as dispatched (its C++ flash kernel).
 
+BENCH_ATTN_IMPLS (environment, comma-separated) keeps only the impls named,
+e.g. "fusedops,sdpa_flash,sdpa_cudnn" to skip the slow eager baselines when
+only the kernels are being compared (run with --no-compile as well).
+
 FLOPs (ANCHORS.md): 4 B H S^2 D forward, halved when causal; fwd+bwd 3.5x the
 forward. Judged in TFLOP/s against the matmul rate measured in the same run
 (bf16 on a GPU; fp32 on the CPU, where the kernels compute in fp32).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +61,8 @@ def _impls(device):
         impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
     else:
         impls["sdpa"] = _sdpa(None)
-    return impls
+    keep = [n.strip() for n in os.environ.get("BENCH_ATTN_IMPLS", "").split(",") if n.strip()]
+    return {n: f for n, f in impls.items() if n in keep} if keep else impls
 
 
 def _maker(B, H, S, D, causal, dtype, device):

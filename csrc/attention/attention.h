@@ -61,8 +61,13 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
 
 /* CUDA (attention_fwd_cuda.cu, attention_bwd_cuda.cu). Launch on `stream` (a
  * cudaStream_t); return NULL on success or a static message naming the error.
- * Registered for a device only once its file exists: see attention_ops.cpp. */
+ * The backward is always deterministic (no atomics). */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
+/* Floats of p->workspace the CUDA backward needs: delta = rowsum(dout * out),
+ * [B, Hq, Sq]. */
+static inline int64_t fo_attn_bwd_cuda_workspace(const fo_attn_params *p) {
+  return p->B * p->Hq * p->Sq;
+}
 const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
 
 #ifdef __cplusplus

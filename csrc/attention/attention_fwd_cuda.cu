@@ -18,114 +18,18 @@
 // FLOPs: 4 B Hq Sq Sk D (halved causal). Not yet measured: the first H100 run
 // is the lead's (docs/perf-notes.md has the predictions). Compile check:
 // tools/compile_cuda.sh "80 90".
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-#include <type_traits>
-
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
+#include "attention_mma.cuh"
 
 namespace {
+
+using namespace fo_attn;
 
 constexpr int kBlockM = 64;   // query rows per block (16 per warp)
 constexpr int kBlockN = 64;   // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// ---------------------------------------------------------------- PTX wrappers
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronously; zeros when !valid.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-// c += a (16x16, row) * b (16x8, col), fp32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx: 2 ulp; exp2(-inf) = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two floats rounded to T, packed as one 32-bit register (lo = a).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    r = *reinterpret_cast<uint32_t *>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(a, b);
-    r = *reinterpret_cast<uint32_t *>(&h);
-  }
-  return r;
-}
-
-// Element offset of 16-byte chunk c of row r in a [rows, D] shared tile:
-// chunks XOR-swizzled by (r mod 8), so that the 8 row addresses of one
-// ldmatrix land in 8 different bank groups.
-template <int D>
-__device__ __forceinline__ int swz(int r, int c) {
-  return r * D + ((c ^ (r & 7)) << 3);
-}
-
-// rows x D tile from global (row i at base + i * row_stride) into shared,
-// 16-byte cp.async per chunk; rows >= valid_rows are zero-filled.
-template <int D, class T>
-__device__ __forceinline__ void load_tile(T *sm, const T *base, int64_t row_stride, int rows,
-                                          int valid_rows) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = r < valid_rows;
-    const T *src = ok ? base + r * row_stride + c * 8 : base;
-    cp_async16(sm + swz<D>(r, c), src, ok);
-  }
-}
 
 // ---------------------------------------------------------------- the kernel
 template <int D, bool kCausal, class T>
@@ -148,9 +52,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   const int n_tiles = static_cast<int>((kend + kBlockN - 1) / kBlockN);
   const float scale2 = p.scale * kLog2e;
 
-  load_tile<D>(sQ, q, p.q_st.seq, kBlockM, q_rows);
+  load_tile<D, kThreads>(sQ, q, p.q_st.seq, kBlockM, q_rows);
   cp_async_commit();
-  if (n_tiles > 0) load_tile<D>(sK, k, p.k_st.seq, kBlockN, static_cast<int>(imin(kBlockN, p.Sk)));
+  if (n_tiles > 0) load_tile<D, kThreads>(sK, k, p.k_st.seq, kBlockN, static_cast<int>(imin(kBlockN, p.Sk)));
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -171,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   for (int j = 0; j < n_tiles; ++j) {
     const int64_t j0 = static_cast<int64_t>(j) * kBlockN;
     const int k_rows = static_cast<int>(imin(kBlockN, p.Sk - j0));
-    load_tile<D>(sV, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN, k_rows);
+    load_tile<D, kThreads>(sV, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN, k_rows);
     cp_async_commit();
     cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
     __syncthreads();
@@ -192,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     }
     __syncthreads();  // every warp is done with sK
     if (j + 1 < n_tiles)
-      load_tile<D>(sK, k + (j0 + kBlockN) * p.k_st.seq, p.k_st.seq, kBlockN,
+      load_tile<D, kThreads>(sK, k + (j0 + kBlockN) * p.k_st.seq, p.k_st.seq, kBlockN,
                    static_cast<int>(imin(kBlockN, p.Sk - j0 - kBlockN)));
     cp_async_commit();
 
@@ -266,10 +170,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     if (row[r] >= p.Sq) continue;
     const float inv = lr > 0.f ? 1.f / lr : 0.f;
     T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row[r] * p.out_st.seq;
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t)
-      *reinterpret_cast<uint32_t *>(out + t * 8 + tig * 2) =
-          pack2<T>(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
+    store_row<D>(out, o, r, inv);
     if (tig == 0)
       p.lse[b * p.lse_st.batch + h * p.lse_st.head + row[r] * p.lse_st.seq] =
           lr > 0.f ? (m[r] + __log2f(lr)) * kLn2 : -INFINITY;
