@@ -221,7 +221,8 @@ def test_no_keys(device, dtype):
     if backward:
         assert torch.equal(got["dq"], torch.zeros_like(got["dq"]))
         assert got["dk"].shape == k.shape and got["dv"].shape == v.shape
-    torch_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    torch_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=True)
     assert torch.equal(got["out"], torch_out.transpose(1, 2))
 
 
