@@ -1,28 +1,31 @@
 // Flash attention backward on the GPU (sm_80+): FlashAttention-2's algorithm
 // with tensor-core mma.sync. Math, layout and masking: attention.h.
 //
-// v0 (this file): three launches, no atomics, so always bitwise repeatable.
+// Three launches, no atomics, so always bitwise repeatable:
 //  1. delta = rowsum(dout * out) in fp32, one warp a row, into the workspace.
-//  2. dK, dV: one block of 4 warps per (64-key tile, batch x kv head); each
-//     warp owns 16 keys and keeps their dK, dV in fp32 registers. The block
-//     walks every q head of its group and every query tile that sees the keys
-//     (from the diagonal on when causal), in a fixed order: Q and dO tiles
-//     (and their lse, delta) double-buffered through shared memory with
-//     cp.async. Per tile, all in the transposed (key-major) orientation so that
-//     every product stays in registers:
+//  2. dK, dV: one block of 4 warps per (key tile, batch x kv head); each warp
+//     owns 16 MT keys (MT m-tiles, Cfg) and keeps their dK, dV in fp32
+//     registers. The block walks every q head of its group and every query
+//     tile that sees the keys (from the diagonal on when causal), in a fixed
+//     order: Q and dO tiles (and their lse, delta) double-buffered through
+//     shared memory with cp.async. Per tile, all in the transposed (key-major)
+//     orientation so that every product stays in registers:
 //       S^T = K Q^T, P^T = exp2(S^T scale log2e - lse log2e), dV += P^T dO,
 //       dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
-//  3. dQ: one block per (64-query tile, batch x q head), K/V tiles
-//     double-buffered: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+//  3. dQ: one block per (query tile, batch x q head), 16 MT rows a warp, K/V
+//     tiles double-buffered: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Seven tile products per (query tile, key tile) instead of FA2's five (S
 // and dP are computed in both 2 and 3): the price of no atomics.
+// v0 gave every warp 16 rows (MT = 1) everywhere; v1 gives it 32 at D = 64,
+// where the accumulators leave room (at D = 128 they do not).
 // Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
 // dense by the shim's allocation (32-bit stores of element pairs).
 //
 // FLOPs: 2.5 x the forward's (five products); this version does 3.5 x.
-// Measured: docs/perf-notes.md. Compile check: tools/compile_cuda.sh "80 90".
+// Measured on the H100: docs/perf-notes.md (v0: backward 0.63 of SDPA's flash
+// backend at 4x16x4096x128). Compile check: tools/compile_cuda.sh "80 90".
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_mma.cuh"
@@ -33,8 +36,24 @@ using namespace fo_attn;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kBlockN = 64;  // keys per dK/dV block (16 per warp) and per dQ key tile
-constexpr int kBlockM = 64;  // queries per dQ block (16 per warp) and per dK/dV query tile
+
+// Tile shapes by head dim. A warp owns MT stacked 16-row m-tiles of its
+// kernel's accumulators (dK and dV; dQ): each B fragment read from shared
+// memory then feeds MT mma. The fp32 accumulators bound MT and the tiles
+// beside them (every shape here is the largest that ptxas kept out of local
+// memory on sm_80 and sm_90): at D = 128 the dK, dV of 16 keys already take
+// 128 registers, so MT = 1 there.
+template <int D>
+struct Cfg {
+  static constexpr int kMTk = D <= 64 ? 2 : 1;      // dK/dV: key m-tiles per warp
+  static constexpr int kKeys = kWarps * 16 * kMTk;  // keys per dK/dV block
+  static constexpr int kQTile = 64;                 // query tile the dK/dV block streams
+  static constexpr int kSub = D <= 64 ? 16 : 32;    // queries per pass over a query tile
+  static constexpr int kSubUnroll = D <= 64 ? 1 : 2;  // passes unrolled (D = 64: more spilled)
+  static constexpr int kMTq = D <= 64 ? 2 : 1;      // dQ: query m-tiles per warp
+  static constexpr int kRows = kWarps * 16 * kMTq;  // query rows per dQ block
+  static constexpr int kKTile = D <= 64 ? 32 : 64;  // keys per dQ key tile
+};
 
 // ---------------------------------------------------------------- 1. delta
 constexpr int kDeltaWarps = 8;
@@ -65,61 +84,67 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const 
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_params p,
                                                                  const float *delta) {
-  constexpr int kSub = D > 64 ? 32 : 64;
+  using C = Cfg<D>;
+  constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile, kSub = C::kSub;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sK = reinterpret_cast<T *>(smem_raw);
-  T *sV = sK + kBlockN * D;
-  T *sQ = sV + kBlockN * D;       // [2][kBlockM * D]
-  T *sdO = sQ + 2 * kBlockM * D;  // [2][kBlockM * D]
-  float *sL = reinterpret_cast<float *>(sdO + 2 * kBlockM * D);  // [2][kBlockM]: lse log2e
-  float *sDl = sL + 2 * kBlockM;                                  // [2][kBlockM]: delta
+  T *sV = sK + kKeys * D;
+  T *sQ = sV + kKeys * D;         // [2][kQTile * D]
+  T *sdO = sQ + 2 * kQTile * D;   // [2][kQTile * D]
+  float *sL = reinterpret_cast<float *>(sdO + 2 * kQTile * D);  // [2][kQTile]: lse log2e
+  float *sDl = sL + 2 * kQTile;                                  // [2][kQTile]: delta
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv;
   const int64_t group = p.Hq / p.Hkv;
   const float scale2 = p.scale * kLog2e;
 
   const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head + j0 * p.k_st.seq;
   const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head + j0 * p.v_st.seq;
-  const int k_rows = static_cast<int>(imin(kBlockN, p.Sk - j0));
-  load_tile<D, kThreads>(sK, k, p.k_st.seq, kBlockN, k_rows);
-  load_tile<D, kThreads>(sV, v, p.v_st.seq, kBlockN, k_rows);
+  const int k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+  load_tile<D, kThreads>(sK, k, p.k_st.seq, kKeys, k_rows);
+  load_tile<D, kThreads>(sV, v, p.v_st.seq, kKeys, k_rows);
   cp_async_commit();
 
   // Work items: (q head of the group, query tile), heads outer, in order.
-  const int64_t m_first = kCausal ? j0 / kBlockM : 0;  // first tile with a query >= j0
-  const int64_t m_tiles = (p.Sq + kBlockM - 1) / kBlockM;
+  const int64_t m_first = kCausal ? j0 / kQTile : 0;  // first tile with a query >= j0
+  const int64_t m_tiles = (p.Sq + kQTile - 1) / kQTile;
   const int64_t n_m = m_tiles > m_first ? m_tiles - m_first : 0;
   const int64_t n_items = group * n_m;
 
-  auto item_m0 = [&](int64_t it) { return (m_first + it % n_m) * kBlockM; };
+  auto item_m0 = [&](int64_t it) { return (m_first + it % n_m) * kQTile; };
   auto item_h = [&](int64_t it) { return hk * group + it / n_m; };
   auto prefetch = [&](int64_t it, int stage) {
     const int64_t h = item_h(it), m0 = item_m0(it);
-    const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - m0));
+    const int q_rows = static_cast<int>(imin(kQTile, p.Sq - m0));
     const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + m0 * p.q_st.seq;
     const T *dout = static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head +
                     m0 * p.dout_st.seq;
-    load_tile<D, kThreads>(sQ + stage * kBlockM * D, q, p.q_st.seq, kBlockM, q_rows);
-    load_tile<D, kThreads>(sdO + stage * kBlockM * D, dout, p.dout_st.seq, kBlockM, q_rows);
+    load_tile<D, kThreads>(sQ + stage * kQTile * D, q, p.q_st.seq, kQTile, q_rows);
+    load_tile<D, kThreads>(sdO + stage * kQTile * D, dout, p.dout_st.seq, kQTile, q_rows);
     // Rows past Sq: lse +inf makes P = 0, delta 0 keeps dS = 0 (their Q, dO are zeros).
-    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+    for (int r = threadIdx.x; r < kQTile; r += kThreads) {
       const bool ok = r < q_rows;
-      sL[stage * kBlockM + r] =
+      sL[stage * kQTile + r] =
           ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + (m0 + r) * p.lse_st.seq] * kLog2e
              : INFINITY;
-      sDl[stage * kBlockM + r] = ok ? delta[(b * p.Hq + h) * p.Sq + m0 + r] : 0.f;
+      sDl[stage * kQTile + r] = ok ? delta[(b * p.Hq + h) * p.Sq + m0 + r] : 0.f;
     }
   };
   if (n_items > 0) prefetch(0, 0);
   cp_async_commit();
 
-  float dk[D / 8][4], dv[D / 8][4];
+  float dk[MT][D / 8][4], dv[MT][D / 8][4];
   zero(dk);
   zero(dv);
-  const int key_l[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's keys, from j0
+  const int key0 = warp * 16 * MT;  // this warp's first key, from j0
+  int key_l[MT][2];                 // this thread's keys, from j0
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) key_l[mt][r] = key0 + 16 * mt + g + 8 * r;
 
   for (int64_t it = 0; it < n_items; ++it) {
     const int stage = static_cast<int>(it & 1);
@@ -128,47 +153,51 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
     cp_async_wait<1>();  // item it (and K, V) have landed
     __syncthreads();
     const int64_t m0 = item_m0(it);
-    // The 64 queries in sub-tiles of kSub (32 at D = 128: S^T and dP^T of a
-    // whole tile beside the dK, dV accumulators would pass 255 registers).
-#pragma unroll
-    for (int sub = 0; sub < kBlockM / kSub; ++sub) {
-      const T *q_s = sQ + (stage * kBlockM + sub * kSub) * D;  // 8-row aligned: same swizzle
-      const T *do_s = sdO + (stage * kBlockM + sub * kSub) * D;
-      const float *l_s = sL + stage * kBlockM + sub * kSub, *dl_s = sDl + stage * kBlockM + sub * kSub;
+    // The query tile in passes of kSub queries: the S^T and dP^T of a whole
+    // tile beside the dK, dV accumulators would pass 255 registers.
+#pragma unroll C::kSubUnroll
+    for (int sub = 0; sub < kQTile / kSub; ++sub) {
       const int64_t q0 = m0 + sub * kSub;
-      if (q0 >= p.Sq) break;  // a tail tile's empty half (the same for every thread)
+      if (q0 >= p.Sq) break;  // a tail tile's empty part (the same for every thread)
+      const T *q_s = sQ + (stage * kQTile + sub * kSub) * D;  // 8-row aligned: same swizzle
+      const T *do_s = sdO + (stage * kQTile + sub * kSub) * D;
+      const float *l_s = sL + stage * kQTile + sub * kSub, *dl_s = sDl + stage * kQTile + sub * kSub;
 
-      float pt[kSub / 8][4];  // S^T, then P^T: this warp's 16 keys x kSub queries
+      float pt[MT][kSub / 8][4];  // S^T, then P^T: this warp's keys x kSub queries
       zero(pt);
-      gemm_abt<D, kSub>(pt, sK, warp * 16, q_s);
+      gemm_abt<D, kSub>(pt, sK, key0, q_s);
       // Causal: key j0 + kl is masked for query q0 + ql when kl + (j0 - q0) > ql.
-      const bool diag = kCausal && j0 + kBlockN - 1 > q0;
+      const bool diag = kCausal && j0 + kKeys - 1 > q0;
       const int off = static_cast<int>(j0 - q0);
 #pragma unroll
-      for (int t = 0; t < kSub / 8; ++t)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int t = 0; t < kSub / 8; ++t)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int ql = t * 8 + tig * 2 + e;
-            float x = pt[t][2 * r + e] * scale2 - l_s[ql];
-            if (diag && key_l[r] + off > ql) x = -INFINITY;
-            pt[t][2 * r + e] = exp2_approx(x);
-          }
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int ql = t * 8 + tig * 2 + e;
+              float x = pt[mt][t][2 * r + e] * scale2 - l_s[ql];
+              if (diag && key_l[mt][r] + off > ql) x = -INFINITY;
+              pt[mt][t][2 * r + e] = exp2_approx(x);
+            }
       gemm_pb<D, kSub>(dv, pt, do_s);  // dV += P^T dO
 
-      float ds[kSub / 8][4];  // dP^T, then dS^T
+      float ds[MT][kSub / 8][4];  // dP^T, then dS^T
       zero(ds);
-      gemm_abt<D, kSub>(ds, sV, warp * 16, do_s);
+      gemm_abt<D, kSub>(ds, sV, key0, do_s);
 #pragma unroll
-      for (int t = 0; t < kSub / 8; ++t)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int t = 0; t < kSub / 8; ++t)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int ql = t * 8 + tig * 2 + e;
-            ds[t][2 * r + e] = pt[t][2 * r + e] * (ds[t][2 * r + e] - dl_s[ql]);
-          }
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int ql = t * 8 + tig * 2 + e;
+              ds[mt][t][2 * r + e] = pt[mt][t][2 * r + e] * (ds[mt][t][2 * r + e] - dl_s[ql]);
+            }
       gemm_pb<D, kSub>(dk, ds, q_s);  // dK += dS^T Q (scaled at the store)
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -177,29 +206,33 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
 
   // Keys that no query sees (causal, j0 >= Sq) get zeros: dk, dv are still 0.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = j0 + key_l[r];
-    if (key >= p.Sk) continue;
-    T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
-    T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
-    store_row<D>(dkp, dk, r, p.scale);
-    store_row<D>(dvp, dv, r, 1.f);
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = j0 + key_l[mt][r];
+      if (key >= p.Sk) continue;
+      T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
+      T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
+      store_row<D>(dkp, dk[mt], r, p.scale);
+      store_row<D>(dvp, dv[mt], r, 1.f);
+    }
 }
 
 // ---------------------------------------------------------------- 3. dQ
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_params p,
                                                                const float *delta) {
+  using C = Cfg<D>;
+  constexpr int MT = C::kMTq, kRows = C::kRows, kKTile = C::kKTile;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw);
-  T *sdO = sQ + kBlockM * D;
-  T *sK = sdO + kBlockM * D;     // [2][kBlockN * D]
-  T *sV = sK + 2 * kBlockN * D;  // [2][kBlockN * D]
+  T *sdO = sQ + kRows * D;
+  T *sK = sdO + kRows * D;       // [2][kKTile * D]
+  T *sV = sK + 2 * kKTile * D;   // [2][kKTile * D]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
   const float scale2 = p.scale * kLog2e;
@@ -209,35 +242,40 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
                   i0 * p.dout_st.seq;
   const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
   const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
-  const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
+  const int q_rows = static_cast<int>(imin(kRows, p.Sq - i0));
   const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-  const int n_tiles = static_cast<int>((kend + kBlockN - 1) / kBlockN);
+  const int n_tiles = static_cast<int>((kend + kKTile - 1) / kKTile);
 
-  load_tile<D, kThreads>(sQ, q, p.q_st.seq, kBlockM, q_rows);
-  load_tile<D, kThreads>(sdO, dout, p.dout_st.seq, kBlockM, q_rows);
+  load_tile<D, kThreads>(sQ, q, p.q_st.seq, kRows, q_rows);
+  load_tile<D, kThreads>(sdO, dout, p.dout_st.seq, kRows, q_rows);
   cp_async_commit();
   auto prefetch = [&](int j, int stage) {
-    const int64_t j0 = static_cast<int64_t>(j) * kBlockN;
-    const int rows = static_cast<int>(imin(kBlockN, p.Sk - j0));
-    load_tile<D, kThreads>(sK + stage * kBlockN * D, k + j0 * p.k_st.seq, p.k_st.seq, kBlockN, rows);
-    load_tile<D, kThreads>(sV + stage * kBlockN * D, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN, rows);
+    const int64_t j0 = static_cast<int64_t>(j) * kKTile;
+    const int rows = static_cast<int>(imin(kKTile, p.Sk - j0));
+    load_tile<D, kThreads>(sK + stage * kKTile * D, k + j0 * p.k_st.seq, p.k_st.seq, kKTile, rows);
+    load_tile<D, kThreads>(sV + stage * kKTile * D, v + j0 * p.v_st.seq, p.v_st.seq, kKTile, rows);
   };
   if (n_tiles > 0) prefetch(0, 0);
   cp_async_commit();
 
-  // This thread's rows g and g + 8 of the warp's 16: lse (log2 units) and
+  // This thread's rows (warp * 16 MT + 16 mt + g + 8 r): lse (log2 units) and
   // delta; rows past Sq get lse +inf (P = 0) and delta 0, and are not stored.
-  const int row_l[2] = {warp * 16 + g, warp * 16 + g + 8};
-  float l2[2], dl[2];
+  const int row0 = warp * 16 * MT;
+  int row_l[MT][2];
+  float l2[MT][2], dl[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = i0 + row_l[r];
-    const bool ok = i < p.Sq;
-    l2[r] = ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
-    dl[r] = ok ? delta[(b * p.Hq + h) * p.Sq + i] : 0.f;
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_l[mt][r] = row0 + 16 * mt + g + 8 * r;
+      const int64_t i = i0 + row_l[mt][r];
+      const bool ok = i < p.Sq;
+      l2[mt][r] =
+          ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
+      dl[mt][r] = ok ? delta[(b * p.Hq + h) * p.Sq + i] : 0.f;
+    }
 
-  float dq[D / 8][4];
+  float dq[MT][D / 8][4];
   zero(dq);
   for (int j = 0; j < n_tiles; ++j) {
     const int stage = j & 1;
@@ -245,42 +283,46 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
     cp_async_commit();
     cp_async_wait<1>();  // Q, dO and tile j have landed
     __syncthreads();
-    const T *k_s = sK + stage * kBlockN * D, *v_s = sV + stage * kBlockN * D;
-    const int64_t j0 = static_cast<int64_t>(j) * kBlockN;
+    const T *k_s = sK + stage * kKTile * D, *v_s = sV + stage * kKTile * D;
+    const int64_t j0 = static_cast<int64_t>(j) * kKTile;
 
-    float s[kBlockN / 8][4];  // S, then P: this warp's 16 queries x 64 keys
+    float s[MT][kKTile / 8][4];  // S, then P: this warp's queries x kKTile keys
     zero(s);
-    gemm_abt<D, kBlockN>(s, sQ, warp * 16, k_s);
-    float ds[kBlockN / 8][4];  // dP, then dS
+    gemm_abt<D, kKTile>(s, sQ, row0, k_s);
+    float ds[MT][kKTile / 8][4];  // dP, then dS
     zero(ds);
-    gemm_abt<D, kBlockN>(ds, sdO, warp * 16, v_s);
+    gemm_abt<D, kKTile>(ds, sdO, row0, v_s);
 
-    const bool edge = j0 + kBlockN > p.Sk || (kCausal && j0 + kBlockN - 1 > i0);
-    const int k_lim = static_cast<int>(imin(kBlockN, p.Sk - j0));  // keys past it: none
+    const int k_lim = static_cast<int>(imin(kKTile, p.Sk - j0));  // keys past it: none
+    const bool edge = k_lim < kKTile || (kCausal && j0 + kKTile - 1 > i0);
     const int off = static_cast<int>(j0 - i0);
 #pragma unroll
-    for (int t = 0; t < kBlockN / 8; ++t)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int t = 0; t < kKTile / 8; ++t)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kl = t * 8 + tig * 2 + e;
-          float x = s[t][2 * r + e] * scale2 - l2[r];
-          if (edge && (kl >= k_lim || (kCausal && kl + off > row_l[r]))) x = -INFINITY;
-          ds[t][2 * r + e] = exp2_approx(x) * (ds[t][2 * r + e] - dl[r]);
-        }
-    gemm_pb<D, kBlockN>(dq, ds, k_s);  // dQ += dS K (scaled at the store)
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kl = t * 8 + tig * 2 + e;
+            float x = s[mt][t][2 * r + e] * scale2 - l2[mt][r];
+            if (edge && (kl >= k_lim || (kCausal && kl + off > row_l[mt][r]))) x = -INFINITY;
+            ds[mt][t][2 * r + e] = exp2_approx(x) * (ds[mt][t][2 * r + e] - dl[mt][r]);
+          }
+    gemm_pb<D, kKTile>(dq, ds, k_s);  // dQ += dS K (scaled at the store)
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = i0 + row_l[r];
-    if (i >= p.Sq) continue;
-    T *dqp = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
-    store_row<D>(dqp, dq, r, p.scale);
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = i0 + row_l[mt][r];
+      if (i >= p.Sq) continue;
+      T *dqp = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
+      store_row<D>(dqp, dq[mt], r, p.scale);
+    }
 }
 
 // ---------------------------------------------------------------- launchers
@@ -301,18 +343,20 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
                              kDeltaWarps * 32, 0, stream>>>(p, delta);
   if (const char *e = fo::last_error()) return e;
 
-  constexpr size_t smem_kv = (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
+  using C = Cfg<D>;
+  constexpr size_t smem_kv =
+      (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
   auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, T>;
   if (const char *e = allow_smem(dkdv, smem_kv)) return e;
-  const dim3 grid_kv(static_cast<unsigned>((p.Sk + kBlockN - 1) / kBlockN),
+  const dim3 grid_kv(static_cast<unsigned>((p.Sk + C::kKeys - 1) / C::kKeys),
                      static_cast<unsigned>(p.B * p.Hkv));
   dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta);
   if (const char *e = fo::last_error()) return e;
 
-  constexpr size_t smem_q = (2 * kBlockM + 4 * kBlockN) * D * sizeof(T);
+  constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
   auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
   if (const char *e = allow_smem(dqk, smem_q)) return e;
-  const dim3 grid_q(static_cast<unsigned>((p.Sq + kBlockM - 1) / kBlockM),
+  const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
                     static_cast<unsigned>(p.B * p.Hq));
   dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta);
   return fo::last_error();

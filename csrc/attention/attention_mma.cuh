@@ -142,42 +142,79 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 }
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) zero(acc[mt]);
+}
 
-// acc (16 x N) += A B^T: A = rows r0..r0+15 of sA [.., D], B = the N rows of
-// sB [N, D]. (S = Q K^T, dP = dO V^T and their transposes.)
-template <int D, int N, class T>
-__device__ __forceinline__ void gemm_abt(float (&acc)[N / 8][4], const T *sA, int r0, const T *sB) {
+// A warp's products on MT stacked 16-row tiles (rows r0 + 16 mt + ...): each
+// B fragment read from shared memory feeds MT mma, so shared-memory traffic
+// per FLOP falls as 1 / MT (at MT = 1 an SM cannot keep mma.sync busy).
+
+// acc[mt] (16 x N) += a[mt] B for one k-step kk: a[mt] the A fragments of
+// the step, B = the N rows of sB [N, D] (columns 16kk..16kk+15).
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void mma_kstep(float (&acc)[MT][N / 8][4], const uint32_t (&a)[MT][4],
+                                          const T *sB, int kk) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t a[4];
-    ld_a<D>(a, sA, r0, kk);
+  for (int np = 0; np < N / 16; ++np) {
+    uint32_t b[4];
+    ld_b<D>(b, sB, np * 16, kk);
 #pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      uint32_t b[4];
-      ld_b<D>(b, sB, np * 16, kk);
-      mma16816<T>(acc[2 * np], a, b[0], b[1]);
-      mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+    for (int mt = 0; mt < MT; ++mt) {
+      mma16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+      mma16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
     }
   }
 }
 
-// acc (16 x D) += P B: P (16 x N) from fp32 accumulators (rounded to T), B =
-// sB [N, D]. (O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K.)
-template <int D, int N, class T>
-__device__ __forceinline__ void gemm_pb(float (&acc)[D / 8][4], const float (&pm)[N / 8][4],
+// acc[mt] (16 x N) += A B^T: A = rows r0 + 16 mt .. + 15 of sA [.., D], B =
+// the N rows of sB [N, D]. (S = Q K^T, dP = dO V^T and their transposes.)
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MT][N / 8][4], const T *sA, int r0,
+                                         const T *sB) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ld_a<D>(a[mt], sA, r0 + 16 * mt, kk);
+    mma_kstep<D, N>(acc, a, sB, kk);
+  }
+}
+
+// The same with A already in registers (a[kk][mt]: ld_a fragments).
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_abt_reg(float (&acc)[MT][N / 8][4],
+                                             const uint32_t (&a)[D / 16][MT][4], const T *sB) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) mma_kstep<D, N>(acc, a[kk], sB, kk);
+}
+
+// acc[mt] (16 x D) += P[mt] B: P (16 x N) from fp32 accumulators (rounded to
+// T), B = sB [N, D]. (O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K.)
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float (&pm)[MT][N / 8][4],
                                         const T *sB) {
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    const uint32_t a[4] = {pack2<T>(pm[2 * kk][0], pm[2 * kk][1]),
-                           pack2<T>(pm[2 * kk][2], pm[2 * kk][3]),
-                           pack2<T>(pm[2 * kk + 1][0], pm[2 * kk + 1][1]),
-                           pack2<T>(pm[2 * kk + 1][2], pm[2 * kk + 1][3])};
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = pack2<T>(pm[mt][2 * kk][0], pm[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(pm[mt][2 * kk][2], pm[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(pm[mt][2 * kk + 1][0], pm[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(pm[mt][2 * kk + 1][2], pm[mt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
       ld_b_trans<D>(b, sB, kk * 16, dp);
-      mma16816<T>(acc[2 * dp], a, b[0], b[1]);
-      mma16816<T>(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+        mma16816<T>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
     }
   }
 }
