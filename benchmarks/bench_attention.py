@@ -2,7 +2,8 @@
 tensors (the layout fusedops and FlashAttention use; torch's SDPA gets the
 (B, H, S, D) transposed views, which its kernels read in place).
 
-Impls: fusedops.functional.flash_attention, eager fusedops.reference.attention
+Impls: fusedops.functional.flash_attention (and on CUDA fusedops_det, the same
+with deterministic=True), eager fusedops.reference.attention
 (the S x S matrix materialised), torch.compile of the latter (added by common);
 on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
 the CPU torch's SDPA as dispatched (its C++ flash kernel).
@@ -56,6 +57,9 @@ def _impls(device):
     impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal),
              "eager": lambda q, k, v, causal: reference.attention(q, k, v, causal)}
     if device.type == "cuda":
+        # deterministic=True: the backward's dQ by its own kernel instead of atomics.
+        impls["fusedops_det"] = lambda q, k, v, causal: functional.flash_attention(
+            q, k, v, causal=causal, deterministic=True)
         from torch.nn.attention import SDPBackend
         impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
         impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)

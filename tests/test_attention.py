@@ -191,6 +191,19 @@ def test_against_reference_long(device, c):
     fused_and_check(c, device)
 
 
+# deterministic=True takes another CUDA path (dQ by its own kernel, no atomics):
+# the same checks on a cross-section, the GPU-sized cases included.
+DET_REF_CASES = [c for c in DTYPE_CASES + GQA_CASES + SEQ_CASES + DIM_CASES if c.dtype != torch.float32
+                 and c.D in (64, 128)] + [replace(BASE, layout="bhsd", causal=True)] + CUDA_CASES
+
+
+@pytest.mark.parametrize("c", DET_REF_CASES, ids=ids(DET_REF_CASES))
+def test_against_reference_deterministic(device, c):
+    if device == "cpu" and c in CUDA_CASES:
+        pytest.skip("GPU-sized case")
+    fused_and_check(c, device, deterministic=True)
+
+
 POISON_CASES = [BASE, replace(BASE, Sq=17, Sk=129, causal=True, dtype=torch.float16),
                 replace(BASE, Sq=1, Sk=1, D=33, dtype=torch.float32), replace(BASE, layout="bhsd", Hkv=1)]
 

@@ -61,12 +61,17 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
 
 /* CUDA (attention_fwd_cuda.cu, attention_bwd_cuda.cu). Launch on `stream` (a
  * cudaStream_t); return NULL on success or a static message naming the error.
- * The backward is always deterministic (no atomics). */
+ * The backward adds dq with fp32 atomics unless p->deterministic. */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
 /* Floats of p->workspace the CUDA backward needs: delta = rowsum(dout * out),
- * [B, Hq, Sq]. */
+ * [B, Hq, Sq]; unless p->deterministic, then (from a 16-byte aligned offset)
+ * the fp32 dq accumulator [B, Hq, Sq, D] that the dK/dV kernel adds into. */
+static inline int64_t fo_attn_bwd_cuda_dq_acc_offset(const fo_attn_params *p) {
+  return (p->B * p->Hq * p->Sq + 3) / 4 * 4;
+}
 static inline int64_t fo_attn_bwd_cuda_workspace(const fo_attn_params *p) {
-  return p->B * p->Hq * p->Sq;
+  return p->deterministic ? p->B * p->Hq * p->Sq
+                          : fo_attn_bwd_cuda_dq_acc_offset(p) + p->B * p->Hq * p->Sq * p->D;
 }
 const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
 

@@ -1,31 +1,35 @@
 // Flash attention backward on the GPU (sm_80+): FlashAttention-2's algorithm
 // with tensor-core mma.sync. Math, layout and masking: attention.h.
 //
-// Three launches, no atomics, so always bitwise repeatable:
-//  1. delta = rowsum(dout * out) in fp32, one warp a row, into the workspace.
+//  1. delta = rowsum(dout * out) in fp32, one warp a row, into the workspace
+//     (which also zeroes the row's fp32 dQ accumulator on the atomic path).
 //  2. dK, dV: one block of 4 warps per (key tile, batch x kv head); each warp
 //     owns 16 MT keys (MT m-tiles, Cfg) and keeps their dK, dV in fp32
 //     registers. The block walks every q head of its group and every query
 //     tile that sees the keys (from the diagonal on when causal), in a fixed
 //     order: Q and dO tiles (and their lse, delta) double-buffered through
-//     shared memory with cp.async. Per tile, all in the transposed (key-major)
-//     orientation so that every product stays in registers:
+//     shared memory with cp.async. Per pass of kSub queries, all in the
+//     transposed (key-major) orientation so that each product stays in
+//     registers:
 //       S^T = K Q^T, P^T = exp2(S^T scale log2e - lse log2e), dV += P^T dO,
 //       dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
-//  3. dQ: one block per (query tile, batch x q head), 16 MT rows a warp, K/V
-//     tiles double-buffered: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
-// Seven tile products per (query tile, key tile) instead of FA2's five (S
-// and dP are computed in both 2 and 3): the price of no atomics.
-// v0 gave every warp 16 rows (MT = 1) everywhere; v1 gives it 32 at D = 64,
-// where the accumulators leave room (at D = 128 they do not).
+//     deterministic = 0 (v2, FA2's scheme): dS^T also goes to shared memory
+//     and the block adds dQ += dS K for the pass into an fp32 accumulator
+//     with atomics (the order of those additions varies between runs); a
+//     last pass rounds dq = scale * acc to the dtype. Five tile products.
+//  3. deterministic = 1: no atomics. dQ by its own kernel instead, one block
+//     per (query tile, batch x q head), 16 MT rows a warp, K/V tiles
+//     double-buffered: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K. Seven tile
+//     products (S and dP computed in both kernels), bitwise repeatable.
+// v0: every warp 16 rows, dQ kernel always; v1: 32 rows a warp at D = 64,
+// where the accumulators leave room (at D = 128 they do not); v2: atomics.
 // Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
 // dense by the shim's allocation (32-bit stores of element pairs).
 //
-// FLOPs: 2.5 x the forward's (five products); this version does 3.5 x.
-// Measured on the H100: docs/perf-notes.md (v0: backward 0.63 of SDPA's flash
-// backend at 4x16x4096x128). Compile check: tools/compile_cuda.sh "80 90".
+// FLOPs: 2.5 x the forward's (five products). Measured on the H100:
+// docs/perf-notes.md. Compile check: tools/compile_cuda.sh "80 90".
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_mma.cuh"
@@ -49,7 +53,8 @@ struct Cfg {
   static constexpr int kKeys = kWarps * 16 * kMTk;  // keys per dK/dV block
   static constexpr int kQTile = 64;                 // query tile the dK/dV block streams
   static constexpr int kSub = D <= 64 ? 16 : 32;    // queries per pass over a query tile
-  static constexpr int kSubUnroll = D <= 64 ? 1 : 2;  // passes unrolled (D = 64: more spilled)
+  static constexpr int kSubDq = 16;                 // the same with dQ in the pass (atomic path)
+  static constexpr int kSubUnroll = D <= 64 ? 1 : 2;  // passes unrolled (more spilled; 1 with dQ)
   static constexpr int kMTq = D <= 64 ? 2 : 1;      // dQ: query m-tiles per warp
   static constexpr int kRows = kWarps * 16 * kMTq;  // query rows per dQ block
   static constexpr int kKTile = D <= 64 ? 32 : 64;  // keys per dQ key tile
@@ -58,9 +63,11 @@ struct Cfg {
 // ---------------------------------------------------------------- 1. delta
 constexpr int kDeltaWarps = 8;
 
+// Also zeroes the row's fp32 dQ accumulator when there is one (dq_acc).
 template <class T>
 __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const fo_attn_params p,
-                                                                          float *delta) {
+                                                                          float *delta,
+                                                                          float *dq_acc) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
   if (row >= p.B * p.Hq * p.Sq) return;
@@ -78,14 +85,92 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const 
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) delta[row] = acc;  // row = (b Hq + h) Sq + i
+  if (dq_acc != nullptr)
+    for (int c = lane * 2; c < p.D; c += 64)
+      *reinterpret_cast<float2 *>(dq_acc + row * p.D + c) = make_float2(0.f, 0.f);
+}
+
+// dq = scale * dq_acc, rounded to T (the atomic path's last step).
+template <class T>
+__global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_dq_convert_kernel(
+    const fo_attn_params p, const float *dq_acc) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
+  if (row >= p.B * p.Hq * p.Sq) return;
+  const int64_t i = row % p.Sq, bh = row / p.Sq, b = bh / p.Hq, h = bh % p.Hq;
+  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
+  for (int c = lane * 2; c < p.D; c += 64) {
+    const float2 x = *reinterpret_cast<const float2 *>(dq_acc + row * p.D + c);
+    *reinterpret_cast<uint32_t *>(dq + c) = pack2<T>(x.x * p.scale, x.y * p.scale);
+  }
 }
 
 // ---------------------------------------------------------------- 2. dK, dV
-template <int D, bool kCausal, class T>
+// dS^T of one pass in shared memory, [keys][kSub queries] as T: 16-byte
+// chunks XOR-swizzled so that the 8 rows an ldmatrix reads (and the 8 rows a
+// warp's stores hit) fall in 8 different bank groups.
+template <int kSub>
+__device__ __forceinline__ int ds_swz(int r, int c) {
+  constexpr int kC = kSub / 8, kRowsPerLine = 8 / kC;
+  return r * kSub + ((c ^ ((r / kRowsPerLine) % kC)) << 3);
+}
+
+// dq_acc[q0 + .., :] += dS (kSub queries x kKeys) K (kKeys x D), fp32 atomics;
+// dS^T from sds ([kKeys][kSub], ds_swz), K from sK. Warp w takes columns
+// [w D / 4, (w + 1) D / 4) for all kSub queries. acc: this pass's first row.
+template <int D, int kKeys, int kSub, class T>
+__device__ __forceinline__ void dq_part(const T *sds, const T *sK, int64_t q0, int64_t Sq,
+                                        float *acc) {
+  constexpr int kDW = D / kWarps;  // columns a warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  // One 16-query m-tile at a time: 16 kDW / 32 accumulators a thread (beside
+  // the dK, dV ones; two m-tiles at once spilled at D = 128).
+#pragma unroll
+  for (int mt = 0; mt < kSub / 16; ++mt) {
+    float dq[kDW / 8][4];
+    zero(dq);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // A = dS: rows queries, k keys; stored transposed, so ldmatrix.trans with
+      // matrix i at keys 16kk + 8(i >> 1), queries 16mt + 8(i & 1).
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sds + ds_swz<kSub>(kk * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                              2 * mt + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int dp = 0; dp < kDW / 16; ++dp) {
+        uint32_t bf[4];
+        ld_b_trans<D>(bf, sK, kk * 16, warp * (kDW / 16) + dp);
+        mma16816<T>(dq[2 * dp], a, bf[0], bf[1]);
+        mma16816<T>(dq[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int ql = 16 * mt + g + 8 * r;
+      if (q0 + ql >= Sq) continue;
+#pragma unroll
+      for (int nt = 0; nt < kDW / 8; ++nt) {
+        float *dst = acc + static_cast<int64_t>(ql) * D + warp * kDW + nt * 8 + tig * 2;
+#if __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+#else
+        atomicAdd(dst, dq[nt][2 * r]);
+        atomicAdd(dst + 1, dq[nt][2 * r + 1]);
+#endif
+      }
+    }
+  }
+}
+
+// kDq: also dQ, by fp32 atomics into dq_acc (FA2's scheme: five tile products
+// in all, but the order of the additions varies from run to run).
+template <int D, bool kCausal, bool kDq, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_params p,
-                                                                 const float *delta) {
+                                                                 const float *delta, float *dq_acc) {
   using C = Cfg<D>;
-  constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile, kSub = C::kSub;
+  constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile;
+  constexpr int kSub = kDq ? C::kSubDq : C::kSub;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sK = reinterpret_cast<T *>(smem_raw);
   T *sV = sK + kKeys * D;
@@ -93,6 +178,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   T *sdO = sQ + 2 * kQTile * D;   // [2][kQTile * D]
   float *sL = reinterpret_cast<float *>(sdO + 2 * kQTile * D);  // [2][kQTile]: lse log2e
   float *sDl = sL + 2 * kQTile;                                  // [2][kQTile]: delta
+  T *sdS = reinterpret_cast<T *>(sDl + 2 * kQTile);  // kDq: [2][kKeys * kSub], dS^T of a pass
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
@@ -146,16 +232,17 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
 #pragma unroll
     for (int r = 0; r < 2; ++r) key_l[mt][r] = key0 + 16 * mt + g + 8 * r;
 
+  int pass = 0;  // passes so far: kDq alternates the two dS^T buffers
   for (int64_t it = 0; it < n_items; ++it) {
     const int stage = static_cast<int>(it & 1);
     if (it + 1 < n_items) prefetch(it + 1, stage ^ 1);
     cp_async_commit();
     cp_async_wait<1>();  // item it (and K, V) have landed
     __syncthreads();
-    const int64_t m0 = item_m0(it);
+    const int64_t m0 = item_m0(it), h = item_h(it);
     // The query tile in passes of kSub queries: the S^T and dP^T of a whole
     // tile beside the dK, dV accumulators would pass 255 registers.
-#pragma unroll C::kSubUnroll
+#pragma unroll (kDq ? 1 : C::kSubUnroll)
     for (int sub = 0; sub < kQTile / kSub; ++sub) {
       const int64_t q0 = m0 + sub * kSub;
       if (q0 >= p.Sq) break;  // a tail tile's empty part (the same for every thread)
@@ -198,7 +285,26 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
               const int ql = t * 8 + tig * 2 + e;
               ds[mt][t][2 * r + e] = pt[mt][t][2 * r + e] * (ds[mt][t][2 * r + e] - dl_s[ql]);
             }
+      if constexpr (kDq) {
+        T *sds = sdS + (pass & 1) * kKeys * kSub;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int t = 0; t < kSub / 8; ++t)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              *reinterpret_cast<uint32_t *>(sds + ds_swz<kSub>(key_l[mt][r], t) + tig * 2) =
+                  pack2<T>(ds[mt][t][2 * r], ds[mt][t][2 * r + 1]);
+      }
       gemm_pb<D, kSub>(dk, ds, q_s);  // dK += dS^T Q (scaled at the store)
+      if constexpr (kDq) {
+        // The buffer written two passes ago was last read before the barrier
+        // of the previous pass: one barrier a pass orders both.
+        __syncthreads();
+        dq_part<D, kKeys, kSub>(sdS + (pass & 1) * kKeys * kSub, sK, q0, p.Sq,
+                                dq_acc + ((b * p.Hq + h) * p.Sq + q0) * D);
+        ++pass;
+      }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
@@ -232,7 +338,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  // Causal: heavy (late) query tiles first, as in the forward.
+  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kRows;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
   const float scale2 = p.scale * kLog2e;
@@ -337,28 +444,38 @@ const char *allow_smem(K *kernel, size_t smem) {
 
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
+  using C = Cfg<D>;
   float *delta = p.workspace;
+  float *dq_acc = p.deterministic ? nullptr : p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p);
   const int64_t rows = p.B * p.Hq * p.Sq;
-  attn_bwd_delta_kernel<T><<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps),
-                             kDeltaWarps * 32, 0, stream>>>(p, delta);
+  const unsigned row_blocks = static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps);
+  attn_bwd_delta_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, delta, dq_acc);
   if (const char *e = fo::last_error()) return e;
 
-  using C = Cfg<D>;
-  constexpr size_t smem_kv =
-      (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
-  auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, T>;
-  if (const char *e = allow_smem(dkdv, smem_kv)) return e;
   const dim3 grid_kv(static_cast<unsigned>((p.Sk + C::kKeys - 1) / C::kKeys),
                      static_cast<unsigned>(p.B * p.Hkv));
-  dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta);
-  if (const char *e = fo::last_error()) return e;
+  constexpr size_t smem_kv =
+      (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
+  if (p.deterministic) {
+    auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, false, T>;
+    if (const char *e = allow_smem(dkdv, smem_kv)) return e;
+    dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, nullptr);
+    if (const char *e = fo::last_error()) return e;
 
-  constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
-  auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
-  if (const char *e = allow_smem(dqk, smem_q)) return e;
-  const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
-                    static_cast<unsigned>(p.B * p.Hq));
-  dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta);
+    constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
+    auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
+    if (const char *e = allow_smem(dqk, smem_q)) return e;
+    const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
+                      static_cast<unsigned>(p.B * p.Hq));
+    dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta);
+    return fo::last_error();
+  }
+  constexpr size_t smem_kvq = smem_kv + 2 * C::kKeys * C::kSubDq * sizeof(T);
+  auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, true, T>;
+  if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
+  dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc);
+  if (const char *e = fo::last_error()) return e;
+  attn_bwd_dq_convert_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, dq_acc);
   return fo::last_error();
 }
 

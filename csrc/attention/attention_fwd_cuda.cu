@@ -51,7 +51,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;  // mma fragment row group, thread in group
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
+  // Causal: the last query tiles see the most keys; launching them first
+  // leaves light blocks, not heavy ones, for the tail of the grid.
+  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
   const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
