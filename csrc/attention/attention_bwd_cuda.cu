@@ -13,11 +13,12 @@
 //     registers:
 //       S^T = K Q^T, P^T = exp2(S^T scale log2e - lse log2e), dV += P^T dO,
 //       dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
-//     deterministic = 0 (v2, FA2's scheme): dS^T also goes to shared memory
+//     Atomic dQ (v2, FA2's scheme; deterministic = 0 and D <= 64, where it
+//     pays: fo_attn_bwd_cuda_atomic_dq): dS^T also goes to shared memory
 //     and the block adds dQ += dS K for the pass into an fp32 accumulator
 //     with atomics (the order of those additions varies between runs); a
 //     last pass rounds dq = scale * acc to the dtype. Five tile products.
-//  3. deterministic = 1: no atomics. dQ by its own kernel instead, one block
+//  3. Otherwise no atomics: dQ by its own kernel instead, one block
 //     per (query tile, batch x q head), 16 MT rows a warp, K/V tiles
 //     double-buffered: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K. Seven tile
 //     products (S and dP computed in both kernels), bitwise repeatable.
@@ -446,7 +447,8 @@ template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   using C = Cfg<D>;
   float *delta = p.workspace;
-  float *dq_acc = p.deterministic ? nullptr : p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p);
+  const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
+  float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
   const int64_t rows = p.B * p.Hq * p.Sq;
   const unsigned row_blocks = static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps);
   attn_bwd_delta_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, delta, dq_acc);
@@ -456,7 +458,7 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
                      static_cast<unsigned>(p.B * p.Hkv));
   constexpr size_t smem_kv =
       (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
-  if (p.deterministic) {
+  if (!atomic) {
     auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, false, T>;
     if (const char *e = allow_smem(dkdv, smem_kv)) return e;
     dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, nullptr);
@@ -471,7 +473,8 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
     return fo::last_error();
   }
   constexpr size_t smem_kvq = smem_kv + 2 * C::kKeys * C::kSubDq * sizeof(T);
-  auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, true, T>;
+  // Only instantiated where fo_attn_bwd_cuda_atomic_dq can be true.
+  auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, (D <= 64), T>;
   if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
   dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc);
   if (const char *e = fo::last_error()) return e;
