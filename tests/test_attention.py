@@ -181,7 +181,10 @@ CUDA_CASES = [Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=1, D=128, causal=True),
               Case(B=1, Sq=1000, Sk=3000, Hq=4, Hkv=1, D=64, causal=True, dtype=torch.float16),
               Case(B=2, Sq=3000, Sk=1000, Hq=8, Hkv=2, D=128, causal=True, layout="bhsd"),
               Case(B=2, Sq=700, Sk=1500, Hq=6, Hkv=3, D=128, causal=False, dtype=torch.float16,
-                   scale=0.2)]
+                   scale=0.2),
+              Case(B=2, Sq=1500, Sk=1100, Hq=4, Hkv=1, D=32, causal=True),
+              Case(B=1, Sq=1100, Sk=1500, Hq=4, Hkv=2, D=96, causal=True, dtype=torch.float16,
+                   layout="bhsd")]
 
 
 @pytest.mark.parametrize("c", CUDA_CASES, ids=ids(CUDA_CASES))
@@ -194,7 +197,7 @@ def test_against_reference_long(device, c):
 # deterministic=True takes another CUDA path (dQ by its own kernel, no atomics):
 # the same checks on a cross-section, the GPU-sized cases included.
 DET_REF_CASES = [c for c in DTYPE_CASES + GQA_CASES + SEQ_CASES + DIM_CASES if c.dtype != torch.float32
-                 and c.D in (64, 128)] + [replace(BASE, layout="bhsd", causal=True)] + CUDA_CASES
+                 and c.D in FF.CUDA_HEAD_DIMS] + [replace(BASE, layout="bhsd", causal=True)] + CUDA_CASES
 
 
 @pytest.mark.parametrize("c", DET_REF_CASES, ids=ids(DET_REF_CASES))
@@ -489,7 +492,7 @@ def test_bad_input_bwd(device, over, match):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype,D,match", [(torch.float32, 64, r"q has dtype float32, expected float16 or bfloat16 on CUDA"),
-                                           (torch.bfloat16, 48, r"q has head_dim 48, expected 64 or 128 on CUDA")],
+                                           (torch.bfloat16, 48, r"q has head_dim 48, expected 32, 64, 96 or 128 on CUDA")],
                          ids=["float32", "head_dim"])
 def test_bad_input_bwd_cuda(dtype, D, match):
     """What the CUDA backward is not built for is refused by name (a forward

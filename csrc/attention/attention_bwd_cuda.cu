@@ -24,7 +24,7 @@
 //     products (S and dP computed in both kernels), bitwise repeatable.
 // v0: every warp 16 rows, dQ kernel always; v1: 32 rows a warp at D = 64,
 // where the accumulators leave room (at D = 128 they do not); v2: atomics.
-// Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
+// Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
 // dense by the shim's allocation (32-bit stores of element pairs).
@@ -118,13 +118,17 @@ __device__ __forceinline__ int ds_swz(int r, int c) {
 
 // dq_acc[q0 + .., :] += dS (kSub queries x kKeys) K (kKeys x D), fp32 atomics;
 // dS^T from sds ([kKeys][kSub], ds_swz), K from sK. Warp w takes columns
-// [w D / 4, (w + 1) D / 4) for all kSub queries. acc: this pass's first row.
+// [w kDW, (w + 1) kDW) for all kSub queries. acc: this pass's first row.
 template <int D, int kKeys, int kSub, class T>
 __device__ __forceinline__ void dq_part(const T *sds, const T *sK, int64_t q0, int64_t Sq,
                                         float *acc) {
-  constexpr int kDW = D / kWarps;  // columns a warp
+  // Columns a warp: a quarter of D, at least one ldmatrix's 16 (D = 32: two
+  // warps do the pass's dQ, two wait at the next barrier).
+  constexpr int kDW = D / kWarps >= 16 ? D / kWarps : 16;
+  static_assert(kDW % 16 == 0 && D % kDW == 0, "dq_part: head dim");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
+  if (warp >= D / kDW) return;
   // One 16-query m-tile at a time: 16 kDW / 32 accumulators a thread (beside
   // the dK, dV ones; two m-tiles at once spilled at D = 128).
 #pragma unroll
@@ -490,9 +494,11 @@ const char *launch_causal(const fo_attn_params &p, cudaStream_t stream) {
 template <class T>
 const char *launch_dim(const fo_attn_params &p, cudaStream_t stream) {
   switch (p.D) {
+    case 32: return launch_causal<32, T>(p, stream);
     case 64: return launch_causal<64, T>(p, stream);
+    case 96: return launch_causal<96, T>(p, stream);
     case 128: return launch_causal<128, T>(p, stream);
-    default: return "fo_attn_bwd_cuda: head dim not built (64 and 128 are)";
+    default: return "fo_attn_bwd_cuda: head dim not built (32, 64, 96 and 128 are)";
   }
 }
 

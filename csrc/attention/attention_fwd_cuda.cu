@@ -5,7 +5,7 @@
 // each warp owns 32 query rows as two stacked 16-row mma tiles, so that every
 // K / V fragment read from shared memory (ldmatrix) feeds two mma (v0 gave a
 // warp 16 rows: ~16 FLOP per shared byte, shared-memory bound at 0.6 of the
-// SDPA flash backend). Q is loaded once (cp.async) and, at D = 64, held in
+// SDPA flash backend). Q is loaded once (cp.async) and, at D <= 64, held in
 // registers; at D = 128 it is re-read per key tile (the 32 x 128 output
 // accumulators leave no room). K and V tiles (64 keys; 32 at D = 128, for
 // registers) stream through shared memory with cp.async, V_j loading while
@@ -13,7 +13,7 @@
 // sum and the output stay in fp32 registers; P is rounded to the input dtype
 // and fed to the next mma straight from the accumulator layout. Shared rows
 // are 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix).
-// Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk
+// Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk
 // (zero-filled tail tiles, masked), grouped-query (kv head = h / (Hq / Hkv)),
 // any 64-bit strides that are multiples of 8 elements on a 16-byte aligned
 // base (the shim copies other inputs).
@@ -35,7 +35,7 @@ constexpr int kBlockM = kWarps * 16 * kMT;  // 128 query rows per block (32 per 
 // Keys per tile: 64, or 32 at D = 128 where the 32 x 128 output accumulators
 // leave no room for a 32 x 64 score tile (ptxas spilled it).
 template <int D>
-constexpr int kBlockN = D <= 64 ? 64 : 32;
+constexpr int kBlockN = D <= 96 ? 64 : 32;
 
 // ---------------------------------------------------------------- the kernel
 template <int D, bool kCausal, class T>
@@ -204,9 +204,11 @@ const char *launch_causal(const fo_attn_params &p, cudaStream_t stream) {
 template <class T>
 const char *launch_dim(const fo_attn_params &p, cudaStream_t stream) {
   switch (p.D) {
+    case 32: return launch_causal<32, T>(p, stream);
     case 64: return launch_causal<64, T>(p, stream);
+    case 96: return launch_causal<96, T>(p, stream);
     case 128: return launch_causal<128, T>(p, stream);
-    default: return "fo_attn_fwd_cuda: head dim not built (64 and 128 are)";
+    default: return "fo_attn_fwd_cuda: head dim not built (32, 64, 96 and 128 are)";
   }
 }
 

@@ -92,12 +92,20 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return r;
 }
 
-// Element offset of 16-byte chunk c of row r in a [rows, D] shared tile:
-// chunks XOR-swizzled by (r mod 8), so that the 8 row addresses of one
-// ldmatrix land in 8 different bank groups.
+// Element offset of 16-byte chunk c of row r in a [rows, D] shared tile,
+// chunks XOR-swizzled so that the 8 row addresses of one ldmatrix (8
+// consecutive rows, one chunk) land in 8 different 16-byte bank groups.
+// D/8 chunks a row: a multiple of 8 (D = 64, 128) XORs by r mod 8; 4 or 12
+// (D = 32, 96) start a row at bank group 4r mod 8, so (r >> 1) mod 4 on the
+// low two chunk bits (staying inside the row) makes the 8 groups distinct.
 template <int D>
 __device__ __forceinline__ int swz(int r, int c) {
-  return r * D + ((c ^ (r & 7)) << 3);
+  constexpr int kChunks = D / 8;
+  static_assert(kChunks % 4 == 0, "head dim: a multiple of 32");
+  if constexpr (kChunks % 8 == 0)
+    return r * D + ((c ^ (r & 7)) << 3);
+  else
+    return r * D + ((c ^ ((r >> 1) & 3)) << 3);
 }
 
 // rows x D tile from global (row i at base + i * row_stride) into shared,

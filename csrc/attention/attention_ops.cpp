@@ -36,8 +36,9 @@ void check_cuda_fwd(const char *op, const Tensor &q) {
   STD_TORCH_CHECK(q.scalar_type() == ScalarType::Half || q.scalar_type() == ScalarType::BFloat16,
                   op, ": q has dtype ", dtype_name(q.scalar_type()),
                   ", expected float16 or bfloat16 on CUDA");
-  STD_TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, op, ": q has head_dim ", q.size(3),
-                  ", expected 64 or 128 on CUDA");
+  const int64_t d = q.size(3);
+  STD_TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, op, ": q has head_dim ", d,
+                  ", expected 32, 64, 96 or 128 on CUDA");
 }
 #endif
 
