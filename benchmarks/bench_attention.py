@@ -2,15 +2,22 @@
 tensors (the layout fusedops and FlashAttention use; torch's SDPA gets the
 (B, H, S, D) transposed views, which its kernels read in place).
 
-Impls: fusedops.functional.flash_attention, eager fusedops.reference.attention
+Impls: fusedops.functional.flash_attention (and on CUDA fusedops_det, the same
+with deterministic=True), eager fusedops.reference.attention
 (the S x S matrix materialised), torch.compile of the latter (added by common);
 on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
 the CPU torch's SDPA as dispatched (its C++ flash kernel).
+
+BENCH_ATTN_IMPLS (environment, comma-separated) keeps only the impls named,
+e.g. "fusedops,sdpa_flash,sdpa_cudnn" to skip the slow eager baselines when
+only the kernels are being compared (run with --no-compile as well).
 
 FLOPs (ANCHORS.md): 4 B H S^2 D forward, halved when causal; fwd+bwd 3.5x the
 forward. Judged in TFLOP/s against the matmul rate measured in the same run
 (bf16 on a GPU; fp32 on the CPU, where the kernels compute in fp32).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -50,12 +57,16 @@ def _impls(device):
     impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal),
              "eager": lambda q, k, v, causal: reference.attention(q, k, v, causal)}
     if device.type == "cuda":
+        # deterministic=True: the backward's dQ by its own kernel instead of atomics.
+        impls["fusedops_det"] = lambda q, k, v, causal: functional.flash_attention(
+            q, k, v, causal=causal, deterministic=True)
         from torch.nn.attention import SDPBackend
         impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
         impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
     else:
         impls["sdpa"] = _sdpa(None)
-    return impls
+    keep = [n.strip() for n in os.environ.get("BENCH_ATTN_IMPLS", "").split(",") if n.strip()]
+    return {n: f for n, f in impls.items() if n in keep} if keep else impls
 
 
 def _maker(B, H, S, D, causal, dtype, device):

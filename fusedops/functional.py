@@ -177,10 +177,10 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None
 # --------------------------------------------------------------------------- attention
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Head dims the CUDA kernels take (csrc/attention/attention_fwd_cuda.cu), and
-# below whether each direction is built; the CPU kernels take every head dim
-# and dtype above.
-CUDA_HEAD_DIMS = (64, 128)
+# Head dims the CUDA kernels take (csrc/attention/attention_{fwd,bwd}_cuda.cu),
+# and below whether each direction is built; the CPU kernels take every head
+# dim and dtype above.
+CUDA_HEAD_DIMS = (32, 64, 96, 128)
 
 
 def _has_cuda_kernel(op):

@@ -173,6 +173,40 @@ def test_against_reference(device, c):
     fused_and_check(c, device)
 
 
+# Sizes for the GPU (too slow for the float64 reference on the CPU, which runs
+# the same tiling at 1023): several key and query tiles with tails, causal
+# with Sq != Sk both ways, GQA and MQA, both head dims, transposed views.
+CUDA_CASES = [Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=1, D=128, causal=True),
+              Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=2, D=64, causal=False, dtype=torch.float16),
+              Case(B=1, Sq=1000, Sk=3000, Hq=4, Hkv=1, D=64, causal=True, dtype=torch.float16),
+              Case(B=2, Sq=3000, Sk=1000, Hq=8, Hkv=2, D=128, causal=True, layout="bhsd"),
+              Case(B=2, Sq=700, Sk=1500, Hq=6, Hkv=3, D=128, causal=False, dtype=torch.float16,
+                   scale=0.2),
+              Case(B=2, Sq=1500, Sk=1100, Hq=4, Hkv=1, D=32, causal=True),
+              Case(B=1, Sq=1100, Sk=1500, Hq=4, Hkv=2, D=96, causal=True, dtype=torch.float16,
+                   layout="bhsd")]
+
+
+@pytest.mark.parametrize("c", CUDA_CASES, ids=ids(CUDA_CASES))
+def test_against_reference_long(device, c):
+    if device == "cpu":
+        pytest.skip("GPU-sized case (the CPU runs the same tiling in SEQ_CASES)")
+    fused_and_check(c, device)
+
+
+# deterministic=True takes another CUDA path (dQ by its own kernel, no atomics):
+# the same checks on a cross-section, the GPU-sized cases included.
+DET_REF_CASES = [c for c in DTYPE_CASES + GQA_CASES + SEQ_CASES + DIM_CASES if c.dtype != torch.float32
+                 and c.D in FF.CUDA_HEAD_DIMS] + [replace(BASE, layout="bhsd", causal=True)] + CUDA_CASES
+
+
+@pytest.mark.parametrize("c", DET_REF_CASES, ids=ids(DET_REF_CASES))
+def test_against_reference_deterministic(device, c):
+    if device == "cpu" and c in CUDA_CASES:
+        pytest.skip("GPU-sized case")
+    fused_and_check(c, device, deterministic=True)
+
+
 POISON_CASES = [BASE, replace(BASE, Sq=17, Sk=129, causal=True, dtype=torch.float16),
                 replace(BASE, Sq=1, Sk=1, D=33, dtype=torch.float32), replace(BASE, layout="bhsd", Hkv=1)]
 
@@ -204,7 +238,7 @@ def test_no_keys(device, dtype):
         assert torch.equal(got["dq"], torch.zeros_like(got["dq"]))
         assert got["dk"].shape == k.shape and got["dv"].shape == v.shape
     torch_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                                enable_gqa=True)
+                                               enable_gqa=True)
     assert torch.equal(got["out"], torch_out.transpose(1, 2))
 
 
@@ -235,7 +269,8 @@ def bits(t):
 
 
 DET_CASES = [replace(BASE, Sq=300, Sk=300, causal=True), replace(BASE, B=1, Hq=4, Hkv=1, Sq=257, Sk=130,
-                                                                   dtype=torch.float32)]
+                                                                   dtype=torch.float32),
+             replace(BASE, B=1, Hq=8, Hkv=2, Sq=257, Sk=700, D=128, dtype=torch.float16)]
 
 
 @pytest.mark.parametrize("c", DET_CASES, ids=ids(DET_CASES))
@@ -456,6 +491,22 @@ def test_bad_input_bwd(device, over, match):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype,D,match", [(torch.float32, 64, r"q has dtype float32, expected float16 or bfloat16 on CUDA"),
+                                           (torch.bfloat16, 48, r"q has head_dim 48, expected 32, 64, 96 or 128 on CUDA")],
+                         ids=["float32", "head_dim"])
+def test_bad_input_bwd_cuda(dtype, D, match):
+    """What the CUDA backward is not built for is refused by name (a forward
+    computed on the CPU supplies out and lse)."""
+    args = fwd_args("cpu", q=randn((2, 9, 4, D), dtype, "cpu"), k=randn((2, 7, 2, D), dtype, "cpu"),
+                    v=randn((2, 7, 2, D), dtype, "cpu"))
+    out, lse = ops.attn_fwd(**args)
+    b = dict(dout=torch.randn_like(out), q=args["q"], k=args["k"], v=args["v"], out=out, lse=lse,
+             scale=0.25, causal=False, deterministic=False)
+    raises_unchanged(ops.attn_bwd, {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in b.items()},
+                     BWD + match)
+
+
+@requires_cuda
 def test_bad_input_mixed_devices():
     args = fwd_args("cpu")
     args["k"] = args["k"].cuda()
@@ -465,9 +516,9 @@ def test_bad_input_mixed_devices():
 
 # --------------------------------------------------------------------------- opcheck, compile
 
-OPCHECK_CASES = [Case(B=1, Sq=17, Sk=9, Hq=2, Hkv=1, D=8, causal=cz, dtype=dt, layout=lay)
-                 for cz, dt, lay in [(False, torch.float32, "bshd"), (True, torch.bfloat16, "bhsd"),
-                                     (True, torch.float16, "bshd")]]
+OPCHECK_CASES = [Case(B=1, Sq=17, Sk=9, Hq=2, Hkv=1, D=d, causal=cz, dtype=dt, layout=lay)
+                 for d, cz, dt, lay in [(8, False, torch.float32, "bshd"), (8, True, torch.bfloat16, "bhsd"),
+                                        (8, True, torch.float16, "bshd"), (64, True, torch.bfloat16, "bhsd")]]
 
 
 @pytest.mark.parametrize("c", OPCHECK_CASES, ids=ids(OPCHECK_CASES))

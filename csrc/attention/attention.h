@@ -61,8 +61,25 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
 
 /* CUDA (attention_fwd_cuda.cu, attention_bwd_cuda.cu). Launch on `stream` (a
  * cudaStream_t); return NULL on success or a static message naming the error.
- * Registered for a device only once its file exists: see attention_ops.cpp. */
+ * The backward adds dq with fp32 atomics where fo_attn_bwd_cuda_atomic_dq. */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
+/* Whether the CUDA backward adds dq with fp32 atomics: only where that is
+ * faster than its deterministic dq kernel (head dims up to 64; measured
+ * equal at 128, docs/perf-notes.md) and determinism is not asked for. */
+static inline int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
+  return !p->deterministic && p->D <= 64;
+}
+/* Floats of p->workspace the CUDA backward needs: delta = rowsum(dout * out),
+ * [B, Hq, Sq]; with atomic dq, then (from a 16-byte aligned offset) the fp32
+ * dq accumulator [B, Hq, Sq, D] that the dK/dV kernel adds into. */
+static inline int64_t fo_attn_bwd_cuda_dq_acc_offset(const fo_attn_params *p) {
+  return (p->B * p->Hq * p->Sq + 3) / 4 * 4;
+}
+static inline int64_t fo_attn_bwd_cuda_workspace(const fo_attn_params *p) {
+  return fo_attn_bwd_cuda_atomic_dq(p)
+             ? fo_attn_bwd_cuda_dq_acc_offset(p) + p->B * p->Hq * p->Sq * p->D
+             : p->B * p->Hq * p->Sq;
+}
 const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
 
 #ifdef __cplusplus

@@ -1,143 +1,59 @@
 // Flash attention forward on the GPU (sm_80+): FlashAttention-2's algorithm
 // with tensor-core mma.sync. Math, layout and masking: attention.h.
 //
-// v0 (this file). One block of 4 warps per (64-query tile, batch x q head);
-// each warp owns 16 query rows. Q is loaded once (cp.async into shared
-// memory, then ldmatrix into registers); K and V tiles of 64 keys stream
-// through shared memory with cp.async, V_j loading while S = Q K_j^T is
-// computed and K_{j+1} while P V_j is. Scores, running max / sum and the
-// output stay in fp32 registers (m16n8k16 accumulators); P is rounded to the
-// input dtype and fed back to the next mma straight from the accumulator
-// layout (no shared-memory round trip). Shared rows are 16-byte chunks XOR-
-// swizzled by row so that ldmatrix reads are conflict-free.
-// Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk
+// v1 (this file). One block of 4 warps per (128-query tile, batch x q head);
+// each warp owns 32 query rows as two stacked 16-row mma tiles, so that every
+// K / V fragment read from shared memory (ldmatrix) feeds two mma (v0 gave a
+// warp 16 rows: ~16 FLOP per shared byte, shared-memory bound at 0.6 of the
+// SDPA flash backend). Q is loaded once (cp.async) and, at D <= 64, held in
+// registers; at D = 128 it is re-read per key tile (the 32 x 128 output
+// accumulators leave no room). K and V tiles (64 keys; 32 at D = 128, for
+// registers) stream through shared memory with cp.async, V_j loading while
+// S = Q K_j^T is computed and K_{j+1} while P V_j is. Scores, running max /
+// sum and the output stay in fp32 registers; P is rounded to the input dtype
+// and fed to the next mma straight from the accumulator layout. Shared rows
+// are 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix).
+// Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk
 // (zero-filled tail tiles, masked), grouped-query (kv head = h / (Hq / Hkv)),
 // any 64-bit strides that are multiples of 8 elements on a 16-byte aligned
 // base (the shim copies other inputs).
 //
-// FLOPs: 4 B Hq Sq Sk D (halved causal). Not yet measured: the first H100 run
-// is the lead's (docs/perf-notes.md has the predictions). Compile check:
-// tools/compile_cuda.sh "80 90".
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-#include <type_traits>
-
+// FLOPs: 4 B Hq Sq Sk D (halved causal). Measured on the H100: docs/perf-notes.md
+// (v0: 0.58-0.67 of SDPA's flash backend). Compile check: tools/compile_cuda.sh "80 90".
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
+#include "attention_mma.cuh"
 
 namespace {
 
-constexpr int kBlockM = 64;   // query rows per block (16 per warp)
-constexpr int kBlockN = 64;   // keys per tile
+using namespace fo_attn;
+
+constexpr int kMT = 2;                    // 16-row m-tiles per warp
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// ---------------------------------------------------------------- PTX wrappers
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronously; zeros when !valid.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-// c += a (16x16, row) * b (16x8, col), fp32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx: 2 ulp; exp2(-inf) = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two floats rounded to T, packed as one 32-bit register (lo = a).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    r = *reinterpret_cast<uint32_t *>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(a, b);
-    r = *reinterpret_cast<uint32_t *>(&h);
-  }
-  return r;
-}
-
-// Element offset of 16-byte chunk c of row r in a [rows, D] shared tile:
-// chunks XOR-swizzled by (r mod 8), so that the 8 row addresses of one
-// ldmatrix land in 8 different bank groups.
+constexpr int kBlockM = kWarps * 16 * kMT;  // 128 query rows per block (32 per warp)
+// Keys per tile: 64, or 32 at D = 128 where the 32 x 128 output accumulators
+// leave no room for a 32 x 64 score tile (ptxas spilled it).
 template <int D>
-__device__ __forceinline__ int swz(int r, int c) {
-  return r * D + ((c ^ (r & 7)) << 3);
-}
-
-// rows x D tile from global (row i at base + i * row_stride) into shared,
-// 16-byte cp.async per chunk; rows >= valid_rows are zero-filled.
-template <int D, class T>
-__device__ __forceinline__ void load_tile(T *sm, const T *base, int64_t row_stride, int rows,
-                                          int valid_rows) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = r < valid_rows;
-    const T *src = ok ? base + r * row_stride + c * 8 : base;
-    cp_async16(sm + swz<D>(r, c), src, ok);
-  }
-}
+constexpr int kBlockN = D <= 96 ? 64 : 32;
 
 // ---------------------------------------------------------------- the kernel
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params p) {
+  // Q fragments stay in registers at D = 64; at D = 128 they would push the
+  // 32 x 128 output accumulators past 255 registers, so they are re-read
+  // from shared memory for every key tile.
+  constexpr bool kQRegs = D <= 64;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw);
   T *sK = sQ + kBlockM * D;
-  T *sV = sK + kBlockN * D;
+  T *sV = sK + kBlockN<D> * D;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;  // mma fragment row group, thread in group
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
+  // Causal: the last query tiles see the most keys; launching them first
+  // leaves light blocks, not heavy ones, for the tail of the grid.
+  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
   const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
@@ -145,140 +61,130 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
   const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
   const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-  const int n_tiles = static_cast<int>((kend + kBlockN - 1) / kBlockN);
+  const int n_tiles = static_cast<int>((kend + kBlockN<D> - 1) / kBlockN<D>);
   const float scale2 = p.scale * kLog2e;
 
-  load_tile<D>(sQ, q, p.q_st.seq, kBlockM, q_rows);
+  load_tile<D, kThreads>(sQ, q, p.q_st.seq, kBlockM, q_rows);
   cp_async_commit();
-  if (n_tiles > 0) load_tile<D>(sK, k, p.k_st.seq, kBlockN, static_cast<int>(imin(kBlockN, p.Sk)));
+  if (n_tiles > 0) load_tile<D, kThreads>(sK, k, p.k_st.seq, kBlockN<D>, static_cast<int>(imin(kBlockN<D>, p.Sk)));
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
 
-  // Q fragments of this warp's 16 rows: D/16 k-steps of a 16x16 A operand.
-  uint32_t qf[D / 16][4];
+  // This warp's rows: warp * 32 + 16 mt + g + 8 r (block-local).
+  uint32_t qf[kQRegs ? D / 16 : 1][kQRegs ? kMT : 1][4];
+  if constexpr (kQRegs) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    ldmatrix_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) ld_a<D>(qf[kk][mt], sQ, warp * 16 * kMT + 16 * mt, kk);
+  }
 
-  float o[D / 8][4];  // output accumulators: D/8 n-tiles of 16x8
+  float o[kMT][D / 8][4];  // output accumulators
+  zero(o);
+  float m[kMT][2], l[kMT][2];  // running max (log2 units), this thread's share of the sums
+  int row_l[kMT][2];
 #pragma unroll
-  for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};  // running max (log2 units) of rows g, g + 8
-  float l[2] = {0.f, 0.f};              // this thread's share of the running sums
-  const int64_t row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m[mt][r] = -INFINITY;
+      l[mt][r] = 0.f;
+      row_l[mt][r] = warp * 16 * kMT + 16 * mt + g + 8 * r;
+    }
 
   for (int j = 0; j < n_tiles; ++j) {
-    const int64_t j0 = static_cast<int64_t>(j) * kBlockN;
-    const int k_rows = static_cast<int>(imin(kBlockN, p.Sk - j0));
-    load_tile<D>(sV, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN, k_rows);
+    const int64_t j0 = static_cast<int64_t>(j) * kBlockN<D>;
+    const int k_rows = static_cast<int>(imin(kBlockN<D>, p.Sk - j0));
+    load_tile<D, kThreads>(sV, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN<D>, k_rows);
     cp_async_commit();
     cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
     __syncthreads();
 
-    float s[kBlockN / 8][4];  // S = Q K_j^T: 8 n-tiles of 16x8
-#pragma unroll
-    for (int t = 0; t < kBlockN / 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t kb[4];  // B fragments of n-tiles 2np, 2np + 1
-        ldmatrix_x4(kb, sK + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                    kk * 2 + ((lane >> 3) & 1)));
-        mma16816<T>(s[2 * np], qf[kk], kb[0], kb[1]);
-        mma16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
-      }
-    }
+    float s[kMT][kBlockN<D> / 8][4];  // S = Q K_j^T
+    zero(s);
+    if constexpr (kQRegs)
+      gemm_abt_reg<D, kBlockN<D>>(s, qf, sK);
+    else
+      gemm_abt<D, kBlockN<D>>(s, sQ, warp * 16 * kMT, sK);
     __syncthreads();  // every warp is done with sK
     if (j + 1 < n_tiles)
-      load_tile<D>(sK, k + (j0 + kBlockN) * p.k_st.seq, p.k_st.seq, kBlockN,
-                   static_cast<int>(imin(kBlockN, p.Sk - j0 - kBlockN)));
+      load_tile<D, kThreads>(sK, k + (j0 + kBlockN<D>) * p.k_st.seq, p.k_st.seq, kBlockN<D>,
+                             static_cast<int>(imin(kBlockN<D>, p.Sk - j0 - kBlockN<D>)));
     cp_async_commit();
 
-    // Online softmax over this tile, rows g (r = 0) and g + 8 (r = 1).
-    const bool edge = j0 + kBlockN > p.Sk || (kCausal && j0 + kBlockN - 1 > i0);
+    // Online softmax over this tile. Masking (keys past Sk; causal: key >
+    // row, i.e. kl + (j0 - i0) > row_l) only on tiles that need it.
+    const bool edge = k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0);
+    const int off = static_cast<int>(j0 - i0);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int t = 0; t < kBlockN / 8; ++t)
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[t][2 * r + e] * scale2;
-          if (edge) {
-            const int64_t key = j0 + t * 8 + tig * 2 + e;
-            if (key >= p.Sk || (kCausal && key > row[r])) x = -INFINITY;
+        for (int t = 0; t < kBlockN<D> / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[mt][t][2 * r + e] * scale2;
+            if (edge) {
+              const int kl = t * 8 + tig * 2 + e;
+              if (kl >= k_rows || (kCausal && kl + off > row_l[mt][r])) x = -INFINITY;
+            }
+            s[mt][t][2 * r + e] = x;
+            mx = fmaxf(mx, x);
           }
-          s[t][2 * r + e] = x;
-          mx = fmaxf(mx, x);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][r], mx);
+        const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
+        const float alpha = exp2_approx(m[mt][r] - shift);
+        m[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < kBlockN<D> / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = exp2_approx(s[mt][t][2 * r + e] - shift);
+            s[mt][t][2 * r + e] = pe;
+            sum += pe;
+          }
+        l[mt][r] = l[mt][r] * alpha + sum;
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+          o[mt][t][2 * r] *= alpha;
+          o[mt][t][2 * r + 1] *= alpha;
         }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
-      const float alpha = exp2_approx(m[r] - shift);
-      m[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int t = 0; t < kBlockN / 8; ++t)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2_approx(s[t][2 * r + e] - shift);
-          s[t][2 * r + e] = pe;
-          sum += pe;
-        }
-      l[r] = l[r] * alpha + sum;
-#pragma unroll
-      for (int t = 0; t < D / 8; ++t) {
-        o[t][2 * r] *= alpha;
-        o[t][2 * r + 1] *= alpha;
       }
-    }
 
     cp_async_wait<1>();  // V_j has landed (K_{j+1} may still be in flight)
     __syncthreads();
-    // O += P V_j: P from the S accumulators (C layout of two n-tiles = A layout
-    // of one k-step), V_j as B through ldmatrix.trans.
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                              pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];  // B fragments of d-tiles 2dp, 2dp + 1
-        ldmatrix_x4_trans(vb, sV + swz<D>(kk * 16 + (lane & 15), dp * 2 + (lane >> 4)));
-        mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-        mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
-      }
-    }
+    gemm_pb<D, kBlockN<D>>(o, s, sV);  // O += P V_j, P straight from the S accumulators
     __syncthreads();  // every warp is done with sV before the next tile's load
   }
 
   // out = o / l, lse = (m + log2 l) ln 2; rows past Sq are not stored.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lr = l[r];
-    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-    if (row[r] >= p.Sq) continue;
-    const float inv = lr > 0.f ? 1.f / lr : 0.f;
-    T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row[r] * p.out_st.seq;
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t)
-      *reinterpret_cast<uint32_t *>(out + t * 8 + tig * 2) =
-          pack2<T>(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
-    if (tig == 0)
-      p.lse[b * p.lse_st.batch + h * p.lse_st.head + row[r] * p.lse_st.seq] =
-          lr > 0.f ? (m[r] + __log2f(lr)) * kLn2 : -INFINITY;
-  }
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[mt][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int64_t row = i0 + row_l[mt][r];
+      if (row >= p.Sq) continue;
+      const float inv = lr > 0.f ? 1.f / lr : 0.f;
+      T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row * p.out_st.seq;
+      store_row<D>(out, o[mt], r, inv);
+      if (tig == 0)
+        p.lse[b * p.lse_st.batch + h * p.lse_st.head + row * p.lse_st.seq] =
+            lr > 0.f ? (m[mt][r] + __log2f(lr)) * kLn2 : -INFINITY;
+    }
 }
 
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
-  constexpr size_t smem = (kBlockM + 2 * kBlockN) * D * sizeof(T);
+  constexpr size_t smem = (kBlockM + 2 * kBlockN<D>) * D * sizeof(T);
   auto kernel = attn_fwd_kernel<D, kCausal, T>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
@@ -298,9 +204,11 @@ const char *launch_causal(const fo_attn_params &p, cudaStream_t stream) {
 template <class T>
 const char *launch_dim(const fo_attn_params &p, cudaStream_t stream) {
   switch (p.D) {
+    case 32: return launch_causal<32, T>(p, stream);
     case 64: return launch_causal<64, T>(p, stream);
+    case 96: return launch_causal<96, T>(p, stream);
     case 128: return launch_causal<128, T>(p, stream);
-    default: return "fo_attn_fwd_cuda: head dim not built (64 and 128 are)";
+    default: return "fo_attn_fwd_cuda: head dim not built (32, 64, 96 and 128 are)";
   }
 }
 

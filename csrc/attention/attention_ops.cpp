@@ -31,13 +31,14 @@ Tensor cuda_readable(const Tensor &t) {
   return dense_ok ? c : torch::stable::contiguous(c);
 }
 
-// Head dims and dtypes attention_fwd_cuda.cu is built for.
+// Head dims and dtypes attention_fwd_cuda.cu and attention_bwd_cuda.cu are built for.
 void check_cuda_fwd(const char *op, const Tensor &q) {
   STD_TORCH_CHECK(q.scalar_type() == ScalarType::Half || q.scalar_type() == ScalarType::BFloat16,
                   op, ": q has dtype ", dtype_name(q.scalar_type()),
                   ", expected float16 or bfloat16 on CUDA");
-  STD_TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, op, ": q has head_dim ", q.size(3),
-                  ", expected 64 or 128 on CUDA");
+  const int64_t d = q.size(3);
+  STD_TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, op, ": q has head_dim ", d,
+                  ", expected 32, 64, 96 or 128 on CUDA");
 }
 #endif
 
@@ -158,6 +159,9 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
                   ": lse has shape ", shape_str(lse), ", expected [", B, ", ", Hq, ", ", Sq,
                   "] (batch, q heads, q seq)");
 
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) check_cuda_fwd(op, q);
+#endif
   Tensor dq = empty_like_shape(q, q.scalar_type());
   Tensor dk = empty_like_shape(k, k.scalar_type());
   Tensor dv = empty_like_shape(v, v.scalar_type());
@@ -167,11 +171,25 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
     torch::stable::zero_(dv);
     return {dq, dk, dv};
   }
+  if (k.size(1) == 0) {
+    // No key: out was 0 whatever q was; dk and dv are empty.
+    torch::stable::zero_(dq);
+    return {dq, dk, dv};
+  }
   q = unit_last(q);
   k = unit_last(k);
   v = unit_last(v);
   dout = unit_last(dout);
   out = unit_last(out);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (q.is_cuda()) {
+    q = cuda_readable(q);
+    k = cuda_readable(k);
+    v = cuda_readable(v);
+    dout = cuda_readable(dout);
+    out = cuda_readable(out);
+  }
+#endif
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.deterministic = deterministic;
@@ -187,12 +205,23 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
   p.dq_st = bshd_strides(dq);
   p.dk_st = bshd_strides(dk);
   p.dv_st = bshd_strides(dv);
-  STD_TORCH_CHECK(q.is_cpu(), op, ": q is on ", device_name(q),
-                  ", expected cpu (no CUDA attention backward kernel yet)");
-  p.splits = fo_attn_bwd_cpu_splits(&p);
-  Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
+  if (q.is_cpu()) {
+    p.splits = fo_attn_bwd_cpu_splits(&p);
+    Tensor workspace =
+        torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
+    p.workspace = static_cast<float *>(workspace.data_ptr());
+    fo_attn_bwd_cpu(&p);
+    return {dq, dk, dv};
+  }
+#ifdef FUSEDOPS_WITH_CUDA
+  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+  Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cuda_workspace(&p)}, ScalarType::Float);
   p.workspace = static_cast<float *>(workspace.data_ptr());
-  fo_attn_bwd_cpu(&p);
+  const char *err = fo_attn_bwd_cuda(&p, current_cuda_stream(q));
+  STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+  STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
+#endif
   return {dq, dk, dv};
 }
 
@@ -205,11 +234,8 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
 }
 
 #ifdef FUSEDOPS_WITH_CUDA
-// Forward only: attention_bwd_cuda.cu does not exist yet, so attn_bwd on a CUDA
-// tensor gets the dispatcher's "no kernel for CUDA" error, and
-// fusedops.functional falls back (scaled_dot_product_attention) or raises
-// (flash_attention) before that whenever a gradient is needed.
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
+  m.impl("attn_bwd", TORCH_BOX(&fusedops::attn_bwd));
 }
 #endif

@@ -1,0 +1,241 @@
+// Tensor-core building blocks shared by the attention kernels
+// (attention_fwd_cuda.cu, attention_bwd_cuda.cu): cp.async tile loads into
+// XOR-swizzled shared memory, ldmatrix, mma.sync m16n8k16 with fp32
+// accumulators, packing fp32 pairs to bf16 / fp16.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, 16-bit A/B): a thread with lane
+// = 4 g + t holds C/D elements (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) of
+// a 16x8 tile; the A fragment of a 16x16 tile is its four 8x8 quarters
+// (rows 0-7 / 8-15 x cols 0-7 / 8-15, column-major over quarters) with the
+// same (g, 2t) pairs. The C fragments of two adjacent 16x8 n-tiles are hence
+// exactly the A fragment of one 16x16 k-step: a product's result feeds the
+// next mma from registers.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace fo_attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------- PTX wrappers
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// c += a (16x16, row) * b (16x8, col), fp32 accumulators.
+template <class T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx: 2 ulp; exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats rounded to T, packed as one 32-bit register (lo = a).
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    r = *reinterpret_cast<uint32_t *>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(a, b);
+    r = *reinterpret_cast<uint32_t *>(&h);
+  }
+  return r;
+}
+
+// Element offset of 16-byte chunk c of row r in a [rows, D] shared tile,
+// chunks XOR-swizzled so that the 8 row addresses of one ldmatrix (8
+// consecutive rows, one chunk) land in 8 different 16-byte bank groups.
+// D/8 chunks a row: a multiple of 8 (D = 64, 128) XORs by r mod 8; 4 or 12
+// (D = 32, 96) start a row at bank group 4r mod 8, so (r >> 1) mod 4 on the
+// low two chunk bits (staying inside the row) makes the 8 groups distinct.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+  constexpr int kChunks = D / 8;
+  static_assert(kChunks % 4 == 0, "head dim: a multiple of 32");
+  if constexpr (kChunks % 8 == 0)
+    return r * D + ((c ^ (r & 7)) << 3);
+  else
+    return r * D + ((c ^ ((r >> 1) & 3)) << 3);
+}
+
+// rows x D tile from global (row i at base + i * row_stride) into shared,
+// 16-byte cp.async per chunk; rows >= valid_rows are zero-filled.
+template <int D, int kThreads, class T>
+__device__ __forceinline__ void load_tile(T *sm, const T *base, int64_t row_stride, int rows,
+                                          int valid_rows) {
+  constexpr int kChunks = D / 8;
+  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool ok = r < valid_rows;
+    const T *src = ok ? base + r * row_stride + c * 8 : base;
+    cp_async16(sm + swz<D>(r, c), src, ok);
+  }
+}
+
+// ---------------------------------------------------------------- fragments and tile products
+// Shared tiles are row-major [rows, D] and swizzled (swz). A warp's operands:
+//   ld_a:       A fragment of rows r0..r0+15, k-step kk (columns 16kk..16kk+15).
+//   ld_b:       B fragments of n-tiles n0..n0+7 and n0+8..n0+15, k-step kk, from a
+//               tile whose rows are n (B^T: K in Q K^T).
+//   ld_b_trans: B fragments of n-tiles 16dp..+7 and 16dp+8..+15 (columns of the
+//               tile), k rows k0..k0+15 (B itself: V in P V).
+template <int D, class T>
+__device__ __forceinline__ void ld_a(uint32_t (&a)[4], const T *sm, int r0, int kk) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(a, sm + swz<D>(r0 + (lane & 15), kk * 2 + (lane >> 4)));
+}
+template <int D, class T>
+__device__ __forceinline__ void ld_b(uint32_t (&b)[4], const T *sm, int n0, int kk) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(b, sm + swz<D>(n0 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+}
+template <int D, class T>
+__device__ __forceinline__ void ld_b_trans(uint32_t (&b)[4], const T *sm, int k0, int dp) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4_trans(b, sm + swz<D>(k0 + (lane & 15), dp * 2 + (lane >> 4)));
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+}
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) zero(acc[mt]);
+}
+
+// A warp's products on MT stacked 16-row tiles (rows r0 + 16 mt + ...): each
+// B fragment read from shared memory feeds MT mma, so shared-memory traffic
+// per FLOP falls as 1 / MT (at MT = 1 an SM cannot keep mma.sync busy).
+
+// acc[mt] (16 x N) += a[mt] B for one k-step kk: a[mt] the A fragments of
+// the step, B = the N rows of sB [N, D] (columns 16kk..16kk+15).
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void mma_kstep(float (&acc)[MT][N / 8][4], const uint32_t (&a)[MT][4],
+                                          const T *sB, int kk) {
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    uint32_t b[4];
+    ld_b<D>(b, sB, np * 16, kk);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+      mma16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+    }
+  }
+}
+
+// acc[mt] (16 x N) += A B^T: A = rows r0 + 16 mt .. + 15 of sA [.., D], B =
+// the N rows of sB [N, D]. (S = Q K^T, dP = dO V^T and their transposes.)
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MT][N / 8][4], const T *sA, int r0,
+                                         const T *sB) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ld_a<D>(a[mt], sA, r0 + 16 * mt, kk);
+    mma_kstep<D, N>(acc, a, sB, kk);
+  }
+}
+
+// The same with A already in registers (a[kk][mt]: ld_a fragments).
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_abt_reg(float (&acc)[MT][N / 8][4],
+                                             const uint32_t (&a)[D / 16][MT][4], const T *sB) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) mma_kstep<D, N>(acc, a[kk], sB, kk);
+}
+
+// acc[mt] (16 x D) += P[mt] B: P (16 x N) from fp32 accumulators (rounded to
+// T), B = sB [N, D]. (O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K.)
+template <int D, int N, int MT, class T>
+__device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float (&pm)[MT][N / 8][4],
+                                        const T *sB) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = pack2<T>(pm[mt][2 * kk][0], pm[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(pm[mt][2 * kk][2], pm[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(pm[mt][2 * kk + 1][0], pm[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(pm[mt][2 * kk + 1][2], pm[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ld_b_trans<D>(b, sB, kk * 16, dp);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+        mma16816<T>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Row r (0: g, 1: g + 8) of a warp's 16 x D fp32 accumulator tile, times mul,
+// rounded to T and stored to dst[0, D) as 32-bit element pairs.
+template <int D, class T>
+__device__ __forceinline__ void store_row(T *dst, const float (&acc)[D / 8][4], int r, float mul) {
+  const int tig = threadIdx.x & 3;
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t)
+    *reinterpret_cast<uint32_t *>(dst + t * 8 + tig * 2) =
+        pack2<T>(acc[t][2 * r] * mul, acc[t][2 * r + 1] * mul);
+}
+
+}  // namespace fo_attn
