@@ -39,11 +39,7 @@ def join_gate_up(module):
             or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
             or wg.device.type == "meta" or wg.numel() == 0 or F._joint_weight(wg, wu) is not None):
         return
-    joint = torch.empty((2 * wg.shape[0], wg.shape[1]), dtype=wg.dtype, device=wg.device)
-    with torch.no_grad():
-        joint[:wg.shape[0]].copy_(wg)
-        joint[wg.shape[0]:].copy_(wu)
-    wg.data, wu.data = joint[:wg.shape[0]], joint[wg.shape[0]:]
+    wg.data, wu.data = torch.cat([wg.detach(), wu.detach()]).chunk(2)
 
 
 def _flatten(module, x):
