@@ -215,6 +215,26 @@ def test_shapes(device, c):
     check_against_reference(c, inp, forward_backward(c, inp))
 
 
+# Rows of 16K values and more are split over a thread-block cluster on sm_90
+# (norm_cuda.cu): slices that end mid-row (20000 = 5 slices of 4000 with the
+# last one ragged), a width past the 8-block cluster (65536), fp32 (4-value
+# chunks), and more rows than clusters fit on the device at once, so that a
+# cluster walks several rows and reuses its exchange slots.
+WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000), torch.float16),
+              ln((400, 65536), torch.bfloat16), rms((40, 32768 + 8), param="fp32"),
+              ln((300, 16384), torch.float32, residual="none"),
+              ln((3, 24576), torch.bfloat16, weight=False, bias=False)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", WIDE_CASES, ids=ids(WIDE_CASES))
+def test_wide_rows_cuda(c):
+    inp = make_inputs(c, "cuda")
+    got = forward_backward(c, inp, poison=True)
+    check_against_reference(c, inp, got)
+    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+
+
 def _stats64(s, eps, rms):
     """Per-row (mean, rstd) of s, computed in s's dtype ([0] mean for RMSNorm)."""
     s = s.reshape(-1, s.shape[-1])

@@ -2,7 +2,8 @@
 replay over rotating inputs) of the raw forward and backward ops at a few
 shapes, as GB/s and as a fraction of the copy ceiling measured in the same run.
 Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
-launch plan aims for, norm_cuda.cu) to compare plans:
+launch plan aims for, norm_cuda.cu) or FUSEDOPS_NORM_CLUSTER (when rows are
+split over a thread-block cluster) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -35,6 +36,8 @@ def main():
         return once(a, dev, dt)
     ceiling = common.copy_ceiling(dev)["GB/s"]
     tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
+    if "FUSEDOPS_NORM_CLUSTER" in os.environ:
+        tag += " cluster=" + os.environ["FUSEDOPS_NORM_CLUSTER"]
     for shape in a.shapes.split(","):
         T, H = map(int, shape.split("x"))
         n = T * H * dt.itemsize
@@ -58,7 +61,7 @@ def main():
         tf, tb = common.graph_time(fwd, dev), common.graph_time(bwd, dev)
         gf, gb = 4 * n / tf / 1e9, 4 * n / tb / 1e9
         gfb = 8 * n / (tf + tb) / 1e9
-        print(f"values={tag:>7} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: "
+        print(f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: "
               f"fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})  bwd {gb:5.0f} ({gb / ceiling:.2f})  "
               f"fwd+bwd {gfb:5.0f} ({gfb / ceiling:.2f})  [ceiling {ceiling:.0f}]", flush=True)
 

@@ -28,6 +28,7 @@
  * few launches. No device allocation, no host sync: CUDA-graph capturable.
  * Measured figures and the history of versions: docs/perf-notes.md. */
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "adam.h"
@@ -38,8 +39,9 @@ using namespace fo;
 
 constexpr int kMaxTensors = 56;
 constexpr int kThreads = 256;
-constexpr int kPerThread = 8;  // elements a thread updates per tile
-constexpr int64_t kTile = (int64_t)kThreads * kPerThread;
+// Elements a thread updates per tile: 16 (FUSEDOPS_ADAM_PER_THREAD=8 or 32,
+// a tuning switch, picks another).
+constexpr int kPerThread = 16;
 
 struct Table {
   int n;  // tensors in this launch
@@ -65,10 +67,11 @@ __device__ __forceinline__ T *at(void *base, int64_t off) {
 // One tile of tensor i: elements [base, base + kTile) (fewer at its end).
 // P: param dtype; S: state dtype; MASTER: an fp32 master copy is the param's
 // value, the param is only written.
-template <class P, class S, bool MASTER>
+template <class P, class S, bool MASTER, int PER>
 __device__ __forceinline__ void update_tile(const Table &t, int i, int64_t base, const fo_adam_coef &c) {
   constexpr int VEC = (sizeof(P) == 4 && sizeof(S) == 4) ? 4 : 8;  // 16 bytes of the narrowest type
-  constexpr int U = kPerThread / VEC;
+  constexpr int U = PER / VEC;
+  constexpr int64_t kTile = (int64_t)kThreads * PER;
   const int64_t n = t.numel[i];
   auto first = [&](int u) { return base + ((int64_t)u * kThreads + threadIdx.x) * VEC; };
   const bool ams = c.amsgrad;
@@ -120,8 +123,9 @@ __device__ __forceinline__ void update_tile(const Table &t, int i, int64_t base,
   }
 }
 
-template <class P, class S, bool MASTER>
+template <class P, class S, bool MASTER, int PER>
 __global__ void __launch_bounds__(kThreads) adam_tiles(const Table t, const fo_adam_params a) {
+  constexpr int64_t kTile = (int64_t)kThreads * PER;
   if (a.found_inf && *a.found_inf != 0.f) return;
   const double lr = a.lr_ptr ? (double)*a.lr_ptr : a.lr;
   const float scale = a.grad_scale ? *a.grad_scale : 1.f;
@@ -137,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) adam_tiles(const Table t, const fo_a
       } while (tile >= hi);
       c = fo_adam_coef_make(&a, (double)*t.step[i] + 1.0, lr, scale);
     }
-    update_tile<P, S, MASTER>(t, i, (tile - lo) * kTile, c);
+    update_tile<P, S, MASTER, PER>(t, i, (tile - lo) * kTile, c);
   }
 }
 
@@ -148,11 +152,24 @@ __global__ void adam_count(const Table t, const float *found_inf) {
 
 using Kernel = void (*)(const Table, const fo_adam_params);
 
-template <class P>
-Kernel pick(fo_dtype state, bool master) {
-  if (master) return adam_tiles<P, float, true>;
-  if (state == FO_F32) return adam_tiles<P, float, false>;
-  return adam_tiles<P, P, false>;
+int per_thread() {
+  static const int v = [] {
+    const char *e = getenv("FUSEDOPS_ADAM_PER_THREAD");
+    const int n = e ? atoi(e) : 0;
+    return n == 8 || n == 32 ? n : kPerThread;
+  }();
+  return v;
+}
+
+template <int PER>
+Kernel pick_per(fo_dtype param, fo_dtype state, bool master) {
+  return with_type(param, [&](auto tag) -> Kernel {
+    using P = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<P, float>) return adam_tiles<float, float, false, PER>;
+    else if (master) return adam_tiles<P, float, true, PER>;
+    else if (state == FO_F32) return adam_tiles<P, float, false, PER>;
+    else return adam_tiles<P, P, false, PER>;
+  });
 }
 
 }  // namespace
@@ -160,11 +177,11 @@ Kernel pick(fo_dtype state, bool master) {
 extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const bool master = a->masters != nullptr;
-  const Kernel kernel = with_type(a->param_dtype, [&](auto tag) -> Kernel {
-    using P = typename decltype(tag)::type;
-    if constexpr (std::is_same_v<P, float>) return adam_tiles<float, float, false>;
-    else return pick<P>(a->state_dtype, master);
-  });
+  const int per = per_thread();
+  const int64_t tile_elems = (int64_t)kThreads * per;
+  const Kernel kernel = per == 8    ? pick_per<8>(a->param_dtype, a->state_dtype, master)
+                        : per == 32 ? pick_per<32>(a->param_dtype, a->state_dtype, master)
+                                    : pick_per<kPerThread>(a->param_dtype, a->state_dtype, master);
   const int grid_cap = sm_count(current_device()) * blocks_per_sm(kernel, kThreads, 0);
   for (int64_t i0 = 0; i0 < a->ntensors; i0 += kMaxTensors) {
     Table t{};
@@ -182,7 +199,7 @@ extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
       t.step[k] = a->steps[i];
       t.vec[k] = aligned16(t.p[k]) && aligned16(t.g[k]) && aligned16(t.m[k]) && aligned16(t.v[k]) &&
                  (!t.vmax[k] || aligned16(t.vmax[k])) && (!t.master[k] || aligned16(t.master[k]));
-      tiles += (t.numel[k] + kTile - 1) / kTile;
+      tiles += (t.numel[k] + tile_elems - 1) / tile_elems;
     }
     if (tiles > 0) {
       const int grid = (int)(tiles < grid_cap ? tiles : grid_cap);

@@ -138,6 +138,123 @@ __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   }
 }
 
+// --- thread-block clusters (sm_90 and up) -------------------------------------------------
+// A row too wide for one block's registers is split across the blocks of a
+// cluster, which exchange their partial sums through distributed shared
+// memory. The helpers compile on every architecture and trap below sm_90,
+// where the host never launches a cluster.
+__device__ __forceinline__ int cluster_size() {
+#if __CUDA_ARCH__ >= 900
+  int n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+#else
+  return 1;
+#endif
+}
+
+__device__ __forceinline__ int cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+  int r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#else
+  return 0;
+#endif
+}
+
+// Cluster barrier, split: every thread of every block arrives, then waits
+// for all the others. The arrive is relaxed: it publishes none of the
+// thread's memory writes (a release arrive would first wait for every global
+// store the thread has in flight; the data goes through mbarriers instead).
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// Sums of K floats over the blocks of a cluster, passed by asynchronous
+// stores into every block's shared memory (st.async), each completing on the
+// receiver's mbarrier, so that no block waits on a barrier of the whole
+// cluster, nor for its global stores to drain, per exchange. NBUF exchanges
+// may be under way at once, each in its own buffer and mbarrier; exchange e
+// uses buffer e % NBUF. Protocol: init() by every thread at the start, then
+// cluster_arrive(), and cluster_wait() before the first sum(); every block
+// makes the same sequence of sum() calls; cluster_arrive() + cluster_wait()
+// before exit (no block may leave while a store to it is under way). Reuse
+// of a buffer is safe when, between two exchanges of the same buffer, the
+// block's threads meet at a block barrier (every caller's row reduction has
+// one): a block's store for exchange e + NBUF follows its receipt of every
+// block's exchange e + 1, and so every block's reads of exchange e.
+template <int K, int NBUF>
+struct ClusterSum {
+  static constexpr int kMaxBlocks = 16;
+  uint64_t bar[NBUF];
+  float slot[NBUF][kMaxBlocks][K];
+
+  __device__ __forceinline__ void init() {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+      for (int b = 0; b < NBUF; ++b)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[b])) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+  }
+
+  // v: this block's sums (the same on every thread); on return, the cluster's,
+  // added in rank order by an xor butterfly: the same bits on every thread of
+  // every block. e: the exchange's number, counted from 0 by every block.
+  __device__ __forceinline__ void sum(float (&v)[K], int e) {
+#if __CUDA_ARCH__ >= 900
+    const int b = e % NBUF, n = cluster_size();
+    const uint32_t phase = (uint32_t)(e / NBUF) & 1u;
+    const uint32_t bar_a = smem_addr(&bar[b]);
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_a), "r"(n * K * 4)
+                   : "memory");
+      const uint32_t mine = smem_addr(&slot[b][cluster_rank()][0]);
+      for (int r = 0; r < n; ++r) {
+        uint32_t dst, rbar;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(mine), "r"(r));
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(bar_a), "r"(r));
+        if constexpr (K == 1)
+          asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+                       ::"r"(dst), "f"(v[0]), "r"(rbar) : "memory");
+        else
+          asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                       ::"r"(dst), "f"(v[0]), "f"(v[1]), "r"(rbar) : "memory");
+      }
+    }
+    uint32_t done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(bar_a), "r"(phase) : "memory");
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = lane < n ? slot[b][lane][k] : 0.f;
+    warp_sum(v);
+#else
+    __trap();
+#endif
+  }
+
+ private:
+  static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+  }
+};
+static_assert(sizeof(uint64_t) == 8, "mbarrier is 8 bytes");
+
 inline int sm_count(int device) {
   static int cache[64];
   if (device < 0 || device >= 64) return 132;

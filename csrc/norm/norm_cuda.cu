@@ -9,6 +9,9 @@
  *                        with its own named barrier) holds the row in
  *                        registers: every element read once and written once,
  *                        with 16-byte accesses; one row per team, no loop.
+ *                        On sm_90, rows of 16K values and more are split over
+ *                        the blocks of a thread-block cluster, which exchange
+ *                        their sums through distributed shared memory.
  *   bwd_regs             the same teams on a persistent grid (sized by the
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
@@ -22,6 +25,7 @@
  *                        order: deterministic.
  * Measured figures and the history of versions: docs/perf-notes.md. */
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 
@@ -39,6 +43,12 @@ using namespace fo;
 // that for fp32 x, whose chunks are half as wide.
 constexpr int kFwdMaxValues = 32, kBwdMaxValues = 16;
 constexpr int max_threads(int values) { return values <= 8 ? 1024 : 512; }
+// Cluster kernels (a row split over blocks) take at most 512 threads a block:
+// the cluster exchange costs registers the 1024-thread cap (64) lacks.
+constexpr int kClusterMaxThreads = 512;
+constexpr int max_threads(int values, bool cluster) {
+  return cluster ? std::min(kClusterMaxThreads, max_threads(values)) : max_threads(values);
+}
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 // The loop kernels: at most 512 threads a block (128 registers a thread),
@@ -53,17 +63,27 @@ constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 
 // --- forward ------------------------------------------------------------------------------
 
-template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
+// CL: the row is split over the blocks of a thread-block cluster (sm_90), one
+// team (block) per slice of NV * team * VEC columns, sums exchanged through
+// distributed shared memory; rows of 16K-64K values stay in registers.
+template <class T, class S, class W, int VEC, int NV, bool CL>
+__global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_norm_fwd_params p) {
   __shared__ float red[kMaxTeams][2][32];
+  __shared__ ClusterSum<1, 2> xsum;  // with CL: exchange 0 the sum, 1 the squares
+  if (CL) {
+    xsum.init();
+    cluster_arrive();
+  }
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   // This thread's columns, the same in every row: [col(k), col(k) + VEC).
-  auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
+  const int64_t first = CL ? (int64_t)cluster_rank() * NV * team * VEC : 0;
+  auto col = [&](int k) { return first + ((int64_t)k * team + tid) * VEC; };
   // One row per team, no loop: a grid-stride loop keeps addresses and
   // offsets live across rows (59 registers instead of 39 for 8 bf16 values,
   // half the occupancy; ncu), and the hardware hands out new blocks as fast.
-  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const int64_t row = CL ? (int64_t)blockIdx.x / cluster_size()
+                         : (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   if (row < p.rows) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
@@ -97,8 +117,10 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_
       }
     }
     float mean = 0.f;
+    if (CL) cluster_wait();  // every block's mbarriers are ready
     if (!p.rms) {
       team_sum(sum, team, red[threadIdx.y][0]);
+      if (CL) xsum.sum(sum, 0);
       mean = sum[0] / (float)cols;
     }
     float sq[1] = {0.f};
@@ -110,6 +132,10 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_
       }
     }
     team_sum(sq, team, red[threadIdx.y][1]);
+    if (CL) {
+      xsum.sum(sq, 1);
+      cluster_arrive();  // the wait is before exit
+    }
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
     // weight and bias (L1/L2 hits after the first rows), loaded before any y store
     Pack<W, VEC> w[NV], b[NV];
@@ -134,10 +160,12 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_
         store_f<VEC>(y + col(k), v[k]);
       }
     }
-    if (tid == 0) {
+    if (tid == 0 && (!CL || cluster_rank() == 0)) {
       if (p.mean) p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
+    // No block may exit while another may still read its shared memory.
+    if (CL) cluster_wait();
   }
 }
 
@@ -497,6 +525,7 @@ struct Shape {
   int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
   int team;  // threads per row
   int rpb;   // rows (teams) per block
+  int cl = 1;  // blocks per row (a thread-block cluster) when over 1
 };
 
 // Values per thread the register kernels aim for: fewer values means larger
@@ -532,6 +561,66 @@ Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values) {
     }
   }
   return loop_shape(cols, c.vec);
+}
+
+// Rows of min_chunks chunks or more are split over a cluster on sm_90 (the
+// forward only), in slices of about `chunks` chunks a block (one 256-thread team of 16
+// values for 16-bit x: the shape that runs the 4096-wide rows near the copy
+// ceiling), up to the portable 8 blocks a cluster. FUSEDOPS_NORM_CLUSTER=
+// "min_chunks,chunks,max_blocks" overrides them, for tuning.
+struct ClusterPlan { int64_t min_chunks = 2048; int64_t chunks = 512; int max_blocks = 8; };
+ClusterPlan cluster_plan() {
+  static const ClusterPlan plan = [] {
+    ClusterPlan c;
+    if (const char *e = getenv("FUSEDOPS_NORM_CLUSTER")) {
+      long long a = 0, b = 0;
+      int m = 0;
+      if (sscanf(e, "%lld,%lld,%d", &a, &b, &m) == 3 && a > 0 && b > 0 && m >= 1 && m <= 16) c = {a, b, m};
+    }
+    return c;
+  }();
+  return plan;
+}
+
+int compute_major(int device) {
+  static int cache[64];
+  if (device < 0 || device >= 64) return 0;
+  if (!cache[device]) cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device);
+  return cache[device];
+}
+
+// The register plan of one slice when the row is split over a cluster, or
+// `fallback` when it is not (narrower rows, misaligned data, before sm_90).
+Shape cluster_choose(Shape fallback, int64_t cols, int vec, bool vec_ok, int target, int max_values,
+                     int device) {
+  const ClusterPlan plan = cluster_plan();
+  const int64_t chunks = (cols + vec - 1) / vec;
+  if (!vec_ok || chunks < plan.min_chunks || compute_major(device) < 9) return fallback;
+  const int64_t cl = std::min<int64_t>(plan.max_blocks, (chunks + plan.chunks - 1) / plan.chunks);
+  if (cl < 2) return fallback;
+  Shape c = choose(((chunks + cl - 1) / cl) * vec, vec, true, target, max_values);
+  if (c.nv == 0 || c.team > kClusterMaxThreads) return fallback;
+  c.cl = (int)cl;
+  c.rpb = 1;
+  return c;
+}
+
+// Launches kernel(p) as 1-D clusters of `cl` blocks, `blocks` blocks in all.
+template <class K, class P>
+void launch_clusters(K *kernel, int64_t blocks, int cl, int threads, cudaStream_t stream, const P &p) {
+  if (cl > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)cl;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB a
@@ -595,6 +684,8 @@ void with_nv(int nv, F &&f) {
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int vec = 16 / fo_dtype_size(p->x_dtype);
+  // (No cluster plan: split over clusters, wide rows ran no faster backward
+  // than in the loop kernel; docs/perf-notes.md.)
   const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(vec), kBwdMaxValues * vec / 8);
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
@@ -642,8 +733,11 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
   const int device = current_device();
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  Shape c = choose(p->cols, vec, fwd_vec_ok(p, vec), target_values(16 * vec / 8), kFwdMaxValues * vec / 8);
-  if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
+  const bool vec_ok = fwd_vec_ok(p, vec);
+  const int target = target_values(16 * vec / 8), max_values = kFwdMaxValues * vec / 8;
+  Shape c = cluster_choose(choose(p->cols, vec, vec_ok, target, max_values), p->cols, vec, vec_ok, target,
+                           max_values, device);
+  if (c.nv && (p->rows * c.cl + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
@@ -655,8 +749,13 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
     } else {
       with_nv<V, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
-        auto *k = fwd_regs<T, S, W, V, decltype(nv)::value>;
-        k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
+        if (c.cl > 1) {
+          auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, true>;
+          launch_clusters(k, p->rows * c.cl, c.cl, c.team, st, *p);
+        } else {
+          auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, false>;
+          k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
+        }
       });
     }
   });
