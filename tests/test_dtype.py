@@ -145,8 +145,8 @@ def cpu_level(level):
         LIB.fo_cpu_set_isa(was)
 
 
-def norm_results(dtype, rms, residual, s_fp32=False):
-    T, H = 37, 333  # a partial last block
+def norm_results(dtype, rms, residual, s_fp32=False, H=333):
+    T = 37  # H: a partial last block; from 3072 on, 16-bit w and b are read as they are
     st = torch.float32 if s_fp32 else dtype
     x = torch.randn(T, H, dtype=dtype, requires_grad=True)
     r = torch.randn(T, H, dtype=st, requires_grad=True)
@@ -197,6 +197,8 @@ CASES = {
                                                                      norm_results(dt, rms, res))
        for rms in (False, True) for res in (False, True)},
     "norm-ln-res-s_fp32": lambda dt: norm_results(dt, False, True, s_fp32=True),
+    "norm-ln-res-wide": lambda dt: norm_results(dt, False, True, H=4100),
+    "norm-rms-nores-wide": lambda dt: norm_results(dt, True, False, H=4100),
     "adamw": lambda dt: adam_results(dt, False, False),
     "adamw-amsgrad": lambda dt: adam_results(dt, True, False),
     "adamw-master": lambda dt: adam_results(dt, False, True),

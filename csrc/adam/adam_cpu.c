@@ -6,10 +6,13 @@
  * loop, so many small tensors cost one parallel region, not one each.
  *
  * fp32 parameters and states are updated in place by a loop the compiler
- * vectorises (one clone for AVX2 + FMA, one for the baseline: FO_CLONES). 16-bit
- * tensors are widened BLOCK elements at a time into fp32 scratch on the stack,
- * updated by the same loop and rounded back; a master copy is updated in place
- * and the parameter receives it rounded. */
+ * vectorises, compiled per x86-64 level (FO_ISA_DISPATCH). 16-bit tensors go
+ * FO_VL (16) elements at a time: loaded and widened into registers, updated by
+ * the same loop (16 lanes, one vector at v4), rounded and stored, the
+ * conversions inside the update (F16C for fp16 at v3 and v4), so that they
+ * overlap its divisions and square roots; a master copy is updated in place
+ * and the parameter receives it rounded. Measured (2 Zen 4 cores, 6.3 M
+ * parameters): bf16 and fp16 1.1-1.4x torch's fused=True (docs/perf-notes.md). */
 #include <stdlib.h>
 #include <string.h>
 

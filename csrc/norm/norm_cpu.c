@@ -3,15 +3,17 @@
  * registers, converted from and to 16-bit inside the pass that reads or
  * writes them (cpu_dtype.h; hardware fp16 conversions at x86-64-v3 and v4).
  *
- * Forward: read x (and residual) once, write s (when stored) and y once; three
- * passes over the row (two for RMSNorm): s, stored and kept in fp32 scratch,
- * with its sum (LayerNorm) or sum of squares (RMSNorm); the squared deviations
- * from the mean (LayerNorm); the output. Backward: read dy, s (and ds), write
- * dx; two passes (the sums and the dweight/dbias partials, then dx), xhat and g
- * recomputed in the second from the inputs, converted again. dweight/dbias are
- * summed per thread into fp32 partial rows, then one pass over the partials.
- * Each row function is specialised per dtype pair (x, s) and per x86-64 level.
- * Math and layout: norm.h. */
+ * Forward: read x (and residual) once from memory, write s (when stored) and y
+ * once; three passes over the row (two for RMSNorm): s, stored, with its sum
+ * (LayerNorm) or sum of squares (RMSNorm); the squared deviations from the
+ * mean (LayerNorm); the output. The later passes read s back from the row just
+ * stored (or x), from L1, converting again. Backward: read dy, s (and ds),
+ * write dx; two passes (the sums and the dweight/dbias partials, then dx),
+ * xhat and g recomputed in the second. dweight/dbias are summed per thread
+ * into fp32 partial rows, then one pass over the partials. Each row function
+ * is specialised per dtype pair (x, s) and per x86-64 level. Measured (2 Zen 4
+ * cores, 16-bit): 1.1-1.7x eager LayerNorm, 4-11x eager RMSNorm, forward and
+ * forward+backward (docs/perf-notes.md). Math and layout: norm.h. */
 #include <stdlib.h>
 #include <math.h>
 #include <omp.h>
@@ -48,11 +50,10 @@ static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
 /* ---- forward --------------------------------------------------------------- */
 
 /* Pass 1 over the block of len values at column j: s = x + residual rounded to
- * s's dtype, stored, and kept in fp32 in sf; acc += s (LayerNorm) or s^2
- * (RMSNorm), lane k into acc[k] (the order of fo_sum / fo_sqdev; the lanes
- * past len are 0 and add nothing). */
-FO_INLINE fo_vf fwd_block_s(const fo_norm_fwd_params *p, const char *x, const char *res, char *s, float *sf,
-                            fo_vf acc, int64_t j, int len, const int isa, const fo_dtype xt, const fo_dtype st) {
+ * s's dtype and stored; acc += s (LayerNorm) or s^2 (RMSNorm), lane k into
+ * acc[k] (the order of fo_sum; the lanes past len are 0 and add nothing). */
+FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo_vf acc, int64_t j, int len,
+                            const int isa, const fo_dtype xt, const fo_dtype st) {
   const int ss = fo_dtype_size(st);
   fo_vf v = fo_vload_n(isa, xt, x + j * fo_dtype_size(xt), len);
   if (res) {
@@ -60,61 +61,113 @@ FO_INLINE fo_vf fwd_block_s(const fo_norm_fwd_params *p, const char *x, const ch
   } else if (s) { /* s is x, or x widened to fp32: exact either way */
     fo_vstore_n(isa, st, s + j * ss, v, len);
   }
-  *(fo_vf *)(sf + j) = v;
-  return acc + (p->rms ? v * v : v);
+  return acc + (rms ? v * v : v);
 }
 
-/* Pass 3: y = (s - mean) * rstd * w + b for the block at column j. */
-FO_INLINE void fwd_block_y(const float *sf, const float *w, const float *b, float mean, float rstd, char *y,
-                           int64_t j, int len, const int isa, const fo_dtype xt) {
-  const fo_vf v = (*(const fo_vf *)(sf + j) - mean) * rstd * *(const fo_vf *)(w + j) + *(const fo_vf *)(b + j);
+/* Pass 3's weight and bias (NULL: none) of dtype t: fp32 copies padded to
+ * whole blocks, or the 16-bit tensors themselves (fo_norm_fwd_cpu says when). */
+typedef struct affine {
+  const void *w, *b;
+  fo_dtype t;
+} affine;
+
+/* Pass 3 for the block at column j: y = (s - mean) * rstd * w + b, s read back
+ * from sr, of dtype t; w and b of dtype wt. */
+FO_INLINE void fwd_block_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t j, int len,
+                           const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+  const int ws = fo_dtype_size(wt);
+  fo_vf v = (fo_vload_n(isa, t, sr + j * fo_dtype_size(t), len) - mean) * rstd;
+  if (a->w) v *= fo_vload_n(isa, wt, (const char *)a->w + j * ws, len);
+  if (a->b) v += fo_vload_n(isa, wt, (const char *)a->b + j * ws, len);
   fo_vstore_n(isa, xt, y + j * fo_dtype_size(xt), v, len);
 }
 
-/* One row; sf: round_up16(cols) floats of scratch. */
-FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const float *w, const float *b, float *sf,
-                         const int isa, const fo_dtype xt, const fo_dtype st) {
+FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t n,
+                          const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+  int64_t j = 0;
+  for (; j + FO_VL <= n; j += FO_VL) fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, isa, t, xt, wt);
+  if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), isa, t, xt, wt);
+}
+
+/* Passes 2 (LayerNorm: the squared deviations from the mean) and 3 (y = (s -
+ * mean) * rstd * w + b), reading s back from sr, of dtype t: the row just
+ * stored, or x when s is not stored (then s is x). Reading the 16-bit row
+ * again costs a conversion; keeping s in fp32 scratch instead cost cache: at
+ * 4096 columns the scratch, w and b (48 KB) no longer fit L1. */
+FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, float sum, const affine *a, char *y,
+                        const int isa, const fo_dtype t, const fo_dtype xt) {
+  const int64_t n = p->cols;
+  const int es = fo_dtype_size(t);
+  float mean = 0.0f, var = 0.0f;
+  int64_t j;
+  if (n && p->rms) {
+    var = sum / (float)n;
+  } else if (n) {
+    mean = sum / (float)n;
+    fo_vf acc = {0};
+    for (j = 0; j + FO_VL <= n; j += FO_VL) {
+      const fo_vf d = fo_vload(isa, t, sr + j * es) - mean;
+      acc += d * d;
+    }
+    if (j < n) { /* the lanes past the row's end would add mean^2: masked */
+      const fo_vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const fo_vf d = (fo_vf)((fo_vu)(fo_vload_n(isa, t, sr + j * es, (int)(n - j)) - mean) &
+                              fo_mask_lt(lane, (uint32_t)(n - j)));
+      acc += d * d;
+    }
+    var = fo_sum((const float *)&acc, FO_VL) / (float)n;
+  }
+  const float rstd = 1.0f / sqrtf(var + p->eps);
+  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F32);
+  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_BF16);
+  else fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F16);
+  if (p->mean) p->mean[r] = mean;
+  p->rstd[r] = rstd;
+}
+
+/* One row. */
+FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa, const fo_dtype xt,
+                         const fo_dtype st) {
   const int64_t n = p->cols;
   const char *x = row_ptr(p->x, xt, r, p->x_stride);
   const char *res = p->residual ? row_ptr(p->residual, st, r, p->res_stride) : NULL;
   char *s = p->s ? (char *)p->s + (size_t)(r * n) * fo_dtype_size(st) : NULL;
   char *y = (char *)p->y + (size_t)(r * n) * fo_dtype_size(xt);
+  const int rms = p->rms; /* a local: the stores through s could alias *p */
   fo_vf acc = {0};
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) acc = fwd_block_s(p, x, res, s, sf, acc, j, FO_VL, isa, xt, st);
-  if (j < n) acc = fwd_block_s(p, x, res, s, sf, acc, j, (int)(n - j), isa, xt, st);
+  for (; j + FO_VL <= n; j += FO_VL) acc = fwd_block_s(rms, x, res, s, acc, j, FO_VL, isa, xt, st);
+  if (j < n) acc = fwd_block_s(rms, x, res, s, acc, j, (int)(n - j), isa, xt, st);
   const float sum = fo_sum((const float *)&acc, FO_VL);
-  float mean = 0.0f, var = 0.0f;
-  if (n && p->rms) {
-    var = sum / (float)n;
-  } else if (n) {
-    mean = sum / (float)n;
-    var = fo_sqdev(sf, mean, n) / (float)n;
-  }
-  const float rstd = 1.0f / sqrtf(var + p->eps);
-  for (j = 0; j + FO_VL <= n; j += FO_VL) fwd_block_y(sf, w, b, mean, rstd, y, j, FO_VL, isa, xt);
-  if (j < n) fwd_block_y(sf, w, b, mean, rstd, y, j, (int)(n - j), isa, xt);
-  if (p->mean) p->mean[r] = mean;
-  p->rstd[r] = rstd;
+  if (s) fwd_rest(p, r, s, sum, a, y, isa, st, xt);
+  else fwd_rest(p, r, x, sum, a, y, isa, xt, xt);
 }
 
-FO_INLINE void fwd_row_at(const fo_norm_fwd_params *p, int64_t r, const float *w, const float *b, float *sf,
-                          const int isa) {
-  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, fwd_row_t, p, r, w, b, sf, isa);
+FO_INLINE void fwd_row_at(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, fwd_row_t, p, r, a, isa);
 }
-FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const float *w, const float *b, float *sf),
-                (p, r, w, b, sf))
+FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const affine *a), (p, r, a))
+
+/* Pass 3 reads w and b once a row. As fp32 copies they take 8 bytes a column
+ * of L1 cache, and the row's x and y 4 more (16-bit): 48 KB at 4096 columns,
+ * past a 32 KB L1 from about 2700, and the LayerNorm fp16 forward without
+ * residual fell to 0.94x eager at 4096 (1.3x at 1024). From NARROW_COLS
+ * columns on, 16-bit w and b are read as they are and converted on the way:
+ * fp16 forward at 4096 and 8192 columns 15-30% faster (C, one thread), bf16
+ * the same; at 2048 that was 0-10% slower, at 1024 15%. */
+enum { NARROW_COLS = 3072 };
 
 void fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
   const int64_t n = p->cols;
-  float *w = param_f32(p->weight, p->w_dtype, n, 1.0f), *b = param_f32(p->bias, p->w_dtype, n, 0.0f);
-#pragma omp parallel
-  {
-    float *sf = malloc(sizeof(float) * (size_t)(round_up16(n) + 1));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, w, b, sf);
-    free(sf);
+  float *w = NULL, *b = NULL;
+  affine a = {p->weight, p->bias, p->w_dtype};
+  if (p->w_dtype == FO_F32 || n < NARROW_COLS) {
+    w = param_f32(p->weight, p->w_dtype, n, 1.0f);
+    b = p->bias ? param_f32(p->bias, p->w_dtype, n, 0.0f) : NULL;
+    a = (affine){w, b, FO_F32};
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
   free(b);
   free(w);
 }
