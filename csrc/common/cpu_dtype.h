@@ -192,6 +192,7 @@ FO_TARGET_V3 static inline void fo_f16_narrow_v3(const float *src, void *dst) {
 /* FO_VL values of dtype t at src, as fp32. isa: the caller's level (a
  * constant), which picks the fp16 conversion. */
 FO_INLINE fo_vf fo_vload(int isa, fo_dtype t, const void *src) {
+  (void)isa; /* unused off x86 */
   fo_vf v;
   if (t == FO_F32) {
     memcpy(&v, src, sizeof v);
@@ -219,6 +220,7 @@ FO_INLINE fo_vf fo_vload(int isa, fo_dtype t, const void *src) {
 
 /* v rounded to dtype t, stored at dst. */
 FO_INLINE void fo_vstore(int isa, fo_dtype t, void *dst, fo_vf v) {
+  (void)isa;
   if (t == FO_F32) {
     memcpy(dst, &v, sizeof v);
 #if FO_X86
