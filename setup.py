@@ -57,7 +57,7 @@ class BuildExt(cpp_extension.BuildExtension):
             # -fno-trapping-math: no kernel reads the FP exception flags, and
             # without it GCC will not if-convert the clamps of a vectorised exp.
             # -fno-math-errno: sqrtf may then vectorise (no kernel reads errno).
-            cmd = cc + ["-std=c11", "-O3", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Werror",
+            cmd = cc + ["-std=c11", "-O3", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Werror", "-Wno-psabi",
                         "-I" + sysconfig.get_paths()["include"], *DEFINES,
                         *[f'-D{m[2:].split("=")[0]}="{m.split("=", 1)[1]}"' for m in macros],
                         "-c", src, "-o", obj]

@@ -21,9 +21,10 @@ Parameter lists
        a step of a few tens of ms on 2 cores.
 
 Bytes (ANCHORS.md): read p, g, m, v and write p, m, v: 28 bytes a parameter in
-fp32, 14 for bf16 params and states. bf16 params with fp32 master weights (a
-fusedops-only case; torch has no such mode): read g (2), master, m, v (12),
-write master, m, v (12) and the rounded param (2): 28 bytes too.
+fp32, 14 for bf16 (or, on the CPU, fp16) params and states. bf16 params with
+fp32 master weights (a fusedops-only case; torch has no such mode): read g (2),
+master, m, v (12), write master, m, v (12) and the rounded param (2): 28 bytes
+too.
 """
 import weakref
 
@@ -35,7 +36,7 @@ from fusedops.optim import FusedAdamW
 LR, WD = 1e-4, 0.01
 NOTE = ("adam: eager = torch.optim.AdamW default (foreach on CUDA, for-loop on CPU); "
         "compile column = torch.optim.AdamW(fused=True); GB/s at 28 B/param (fp32, bf16+master), "
-        "14 B/param (bf16)")
+        "14 B/param (bf16, fp16)")
 
 
 def llama_layers(layers, hidden, mlp):
@@ -99,8 +100,10 @@ def cases(device, quick, sweep):
     out = [Case("AdamW", label, torch.float32, "step", 28 * n, _maker(shapes, torch.float32, device),
                 impls(), min_sets=sets, note=NOTE)]
     if not quick:
-        out += [Case("AdamW", label, torch.bfloat16, "step", 14 * n, _maker(shapes, torch.bfloat16, device),
-                     impls(), min_sets=sets, note=NOTE),
-                Case("AdamW+master", label, torch.bfloat16, "step", 28 * n,
+        # fp16 on the CPU only, where its conversions are a path of their own (F16C)
+        half = (torch.bfloat16,) if device.type == "cuda" else (torch.bfloat16, torch.float16)
+        out += [Case("AdamW", label, dt, "step", 14 * n, _maker(shapes, dt, device), impls(), min_sets=sets,
+                     note=NOTE) for dt in half]
+        out += [Case("AdamW+master", label, torch.bfloat16, "step", 28 * n,
                      _maker(shapes, torch.bfloat16, device), master, min_sets=sets, note=NOTE)]
     return out

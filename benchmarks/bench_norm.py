@@ -68,7 +68,7 @@ def _shapes(device, quick, sweep):
 def _dtypes(device, quick):
     if device.type == "cuda":
         return [torch.bfloat16]
-    return [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    return [torch.float32] if quick else [torch.float32, torch.bfloat16, torch.float16]
 
 
 def cases(device, quick, sweep):

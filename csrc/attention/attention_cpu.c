@@ -36,10 +36,6 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-/* Everything a clone calls must be compiled into it: a helper left out of line
- * is built once, for the baseline (no AVX, no FMA). */
-#define FO_INLINE static inline __attribute__((always_inline))
-
 enum { BQ = 64, BK = 64 }; /* query and key tile sizes */
 #define LOG2E 1.4426950408889634f
 

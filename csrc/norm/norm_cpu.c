@@ -1,11 +1,19 @@
 /* Residual-add + LayerNorm / RMSNorm on the CPU: C11 + OpenMP, one row at a
- * time per thread, the row widened to fp32 in a thread-local buffer.
+ * time per thread, each row walked in blocks of FO_VL (16) values held in
+ * registers, converted from and to 16-bit inside the pass that reads or
+ * writes them (cpu_dtype.h; hardware fp16 conversions at x86-64-v3 and v4).
  *
- * Forward: read x (and residual) once, write s (when stored) and y once.
- * Backward: read dy, s (and ds) once, write dx once; dweight/dbias summed per
- * thread into fp32 partial rows, then one pass over the partials. fp32 rows
- * are used in place; 16-bit rows are widened into thread-local scratch.
- * Math and layout: norm.h. */
+ * Forward: read x (and residual) once from memory, write s (when stored) and y
+ * once; three passes over the row (two for RMSNorm): s, stored, with its sum
+ * (LayerNorm) or sum of squares (RMSNorm); the squared deviations from the
+ * mean (LayerNorm); the output. The later passes read s back from the row just
+ * stored (or x), from L1, converting again. Backward: read dy, s (and ds),
+ * write dx; two passes (the sums and the dweight/dbias partials, then dx),
+ * xhat and g recomputed in the second. dweight/dbias are summed per thread
+ * into fp32 partial rows, then one pass over the partials. Each row function
+ * is specialised per dtype pair (x, s) and per x86-64 level. Measured (2 Zen 4
+ * cores, 16-bit): 1.1-1.7x eager LayerNorm, 4-11x eager RMSNorm, forward and
+ * forward+backward (docs/perf-notes.md). Math and layout: norm.h. */
 #include <stdlib.h>
 #include <math.h>
 #include <omp.h>
@@ -13,130 +21,244 @@
 #include "norm.h"
 #include "../common/cpu_dtype.h"
 
-static const char *row_ptr(const void *base, fo_dtype t, int64_t row, int64_t stride) {
+static inline const char *row_ptr(const void *base, fo_dtype t, int64_t row, int64_t stride) {
   return (const char *)base + (size_t)(row * stride) * (size_t)fo_dtype_size(t);
 }
 
-/* An fp32 view of a row: the row itself when it is fp32, else converted into
- * `scratch`. */
-static inline const float *as_f32(fo_dtype t, const void *row, float *scratch, int64_t n) {
-  if (t == FO_F32) return (const float *)row;
-  fo_load_row(t, row, scratch, n);
-  return scratch;
+static inline int64_t round_up16(int64_t n) { return (n + FO_VL - 1) / FO_VL * FO_VL; }
+
+/* A [cols] weight or bias row in fp32, padded with zeros to a whole number of
+ * blocks (the block loops read whole blocks); `fill` where there is none. */
+static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
+  float *out = calloc((size_t)round_up16(n) + 1, sizeof(float));
+  if (t) fo_load_row(dt, t, out, n);
+  else for (int64_t j = 0; j < n; ++j) out[j] = fill;
+  return out;
 }
 
-/* One row of the forward: three passes (s and its sum, squared deviations,
- * output), fp32 rows read and written in place; v, tmp: n floats of scratch
- * for the 16-bit conversions. */
-FO_CLONES static void fwd_row(const fo_norm_fwd_params *p, int64_t r, const float *w, const float *b,
-                              float *v, float *tmp) {
-  const int64_t n = p->cols;
-  const fo_dtype xt = p->x_dtype, st = p->s_dtype;
-  const void *xrow = row_ptr(p->x, xt, r, p->x_stride);
-  void *srow = p->s ? (char *)p->s + (size_t)(r * n) * fo_dtype_size(st) : NULL;
-  void *yrow = (char *)p->y + (size_t)(r * n) * fo_dtype_size(xt);
-  /* sf: s in fp32 (the stored s when that is fp32, else v) */
-  const float *sf;
-  if (p->residual) {
-    float *sv = st == FO_F32 ? (float *)srow : v;
-    const float *xf = as_f32(xt, xrow, v, n);
-    const float *rf = as_f32(st, row_ptr(p->residual, st, r, p->res_stride), tmp, n);
-    for (int64_t j = 0; j < n; ++j) sv[j] = xf[j] + rf[j];
-    if (st != FO_F32) {
-      fo_round_row(st, sv, n);
-      fo_store_row(st, srow, sv, n);
-    }
-    sf = sv;
-  } else if (srow) { /* s is x widened to fp32 */
-    fo_load_row(xt, xrow, (float *)srow, n);
-    sf = (const float *)srow;
-  } else {
-    sf = as_f32(xt, xrow, v, n);
+/* fn(args..., xt, st) with the dtype pair as constants, one copy of fn per
+ * pair the shim allows: s in x's dtype, or 16-bit x with fp32 s. */
+#define WITH_DTYPE_PAIR(xt, st, fn, ...)                                            \
+  do {                                                                              \
+    if ((xt) == FO_F32) fn(__VA_ARGS__, FO_F32, FO_F32);                            \
+    else if ((xt) == FO_BF16 && (st) == FO_BF16) fn(__VA_ARGS__, FO_BF16, FO_BF16); \
+    else if ((xt) == FO_BF16) fn(__VA_ARGS__, FO_BF16, FO_F32);                     \
+    else if ((st) == FO_F16) fn(__VA_ARGS__, FO_F16, FO_F16);                       \
+    else fn(__VA_ARGS__, FO_F16, FO_F32);                                           \
+  } while (0)
+
+/* ---- forward --------------------------------------------------------------- */
+
+/* Pass 1 over the block of len values at column j: s = x + residual rounded to
+ * s's dtype and stored; acc += s (LayerNorm) or s^2 (RMSNorm), lane k into
+ * acc[k] (the order of fo_sum; the lanes past len are 0 and add nothing). */
+FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo_vf acc, int64_t j, int len,
+                            const int isa, const fo_dtype xt, const fo_dtype st) {
+  const int ss = fo_dtype_size(st);
+  fo_vf v = fo_vload_n(isa, xt, x + j * fo_dtype_size(xt), len);
+  if (res) {
+    v = fo_vstore_keep_n(isa, st, s + j * ss, v + fo_vload_n(isa, st, res + j * ss, len), len);
+  } else if (s) { /* s is x, or x widened to fp32: exact either way */
+    fo_vstore_n(isa, st, s + j * ss, v, len);
   }
-  const float mean = p->rms || !n ? 0.0f : fo_sum(sf, n) / (float)n;
-  const float var = n ? fo_sqdev(sf, mean, n) / (float)n : 0.0f;
+  return acc + (rms ? v * v : v);
+}
+
+/* Pass 3's weight and bias (NULL: none) of dtype t: fp32 copies padded to
+ * whole blocks, or the 16-bit tensors themselves (fo_norm_fwd_cpu says when). */
+typedef struct affine {
+  const void *w, *b;
+  fo_dtype t;
+} affine;
+
+/* Pass 3 for the block at column j: y = (s - mean) * rstd * w + b, s read back
+ * from sr, of dtype t; w and b of dtype wt. */
+FO_INLINE void fwd_block_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t j, int len,
+                           const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+  const int ws = fo_dtype_size(wt);
+  fo_vf v = (fo_vload_n(isa, t, sr + j * fo_dtype_size(t), len) - mean) * rstd;
+  if (a->w) v *= fo_vload_n(isa, wt, (const char *)a->w + j * ws, len);
+  if (a->b) v += fo_vload_n(isa, wt, (const char *)a->b + j * ws, len);
+  fo_vstore_n(isa, xt, y + j * fo_dtype_size(xt), v, len);
+}
+
+FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t n,
+                          const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+  int64_t j = 0;
+  for (; j + FO_VL <= n; j += FO_VL) fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, isa, t, xt, wt);
+  if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), isa, t, xt, wt);
+}
+
+/* Passes 2 (LayerNorm: the squared deviations from the mean) and 3 (y = (s -
+ * mean) * rstd * w + b), reading s back from sr, of dtype t: the row just
+ * stored, or x when s is not stored (then s is x). Reading the 16-bit row
+ * again costs a conversion; keeping s in fp32 scratch instead cost cache: at
+ * 4096 columns the scratch, w and b (48 KB) no longer fit L1. */
+FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, float sum, const affine *a, char *y,
+                        const int isa, const fo_dtype t, const fo_dtype xt) {
+  const int64_t n = p->cols;
+  const int es = fo_dtype_size(t);
+  float mean = 0.0f, var = 0.0f;
+  int64_t j;
+  if (n && p->rms) {
+    var = sum / (float)n;
+  } else if (n) {
+    mean = sum / (float)n;
+    fo_vf acc = {0};
+    for (j = 0; j + FO_VL <= n; j += FO_VL) {
+      const fo_vf d = fo_vload(isa, t, sr + j * es) - mean;
+      acc += d * d;
+    }
+    if (j < n) { /* the lanes past the row's end would add mean^2: masked */
+      const fo_vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const fo_vf d = (fo_vf)((fo_vu)(fo_vload_n(isa, t, sr + j * es, (int)(n - j)) - mean) &
+                              fo_mask_lt(lane, (uint32_t)(n - j)));
+      acc += d * d;
+    }
+    var = fo_sum((const float *)&acc, FO_VL) / (float)n;
+  }
   const float rstd = 1.0f / sqrtf(var + p->eps);
-  float *yv = xt == FO_F32 ? (float *)yrow : v;  /* in place over v is fine: element by element */
-  for (int64_t j = 0; j < n; ++j) yv[j] = (sf[j] - mean) * rstd * w[j] + b[j];
-  if (xt != FO_F32) fo_store_row(xt, yrow, yv, n);
+  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F32);
+  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_BF16);
+  else fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F16);
   if (p->mean) p->mean[r] = mean;
   p->rstd[r] = rstd;
 }
 
+/* One row. */
+FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa, const fo_dtype xt,
+                         const fo_dtype st) {
+  const int64_t n = p->cols;
+  const char *x = row_ptr(p->x, xt, r, p->x_stride);
+  const char *res = p->residual ? row_ptr(p->residual, st, r, p->res_stride) : NULL;
+  char *s = p->s ? (char *)p->s + (size_t)(r * n) * fo_dtype_size(st) : NULL;
+  char *y = (char *)p->y + (size_t)(r * n) * fo_dtype_size(xt);
+  const int rms = p->rms; /* a local: the stores through s could alias *p */
+  fo_vf acc = {0};
+  int64_t j = 0;
+  for (; j + FO_VL <= n; j += FO_VL) acc = fwd_block_s(rms, x, res, s, acc, j, FO_VL, isa, xt, st);
+  if (j < n) acc = fwd_block_s(rms, x, res, s, acc, j, (int)(n - j), isa, xt, st);
+  const float sum = fo_sum((const float *)&acc, FO_VL);
+  if (s) fwd_rest(p, r, s, sum, a, y, isa, st, xt);
+  else fwd_rest(p, r, x, sum, a, y, isa, xt, xt);
+}
+
+FO_INLINE void fwd_row_at(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, fwd_row_t, p, r, a, isa);
+}
+FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const affine *a), (p, r, a))
+
+/* Pass 3 reads w and b once a row. As fp32 copies they take 8 bytes a column
+ * of L1 cache, and the row's x and y 4 more (16-bit): 48 KB at 4096 columns,
+ * past a 32 KB L1 from about 2700, and the LayerNorm fp16 forward without
+ * residual fell to 0.94x eager at 4096 (1.3x at 1024). From NARROW_COLS
+ * columns on, 16-bit w and b are read as they are and converted on the way:
+ * fp16 forward at 4096 and 8192 columns 15-30% faster (C, one thread), bf16
+ * the same; at 2048 that was 0-10% slower, at 1024 15%. */
+enum { NARROW_COLS = 3072 };
+
 void fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
   const int64_t n = p->cols;
-  float *params = malloc(sizeof(float) * (size_t)(2 * n + 1));
-  float *w = params, *b = params + n;
-  if (p->weight) fo_load_row(p->w_dtype, p->weight, w, n);
-  else for (int64_t j = 0; j < n; ++j) w[j] = 1.0f;
-  if (p->bias) fo_load_row(p->w_dtype, p->bias, b, n);
-  else for (int64_t j = 0; j < n; ++j) b[j] = 0.0f;
-
-#pragma omp parallel
-  {
-    float *v = malloc(sizeof(float) * (size_t)(2 * n + 1));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, w, b, v, v + n);
-    free(v);
+  float *w = NULL, *b = NULL;
+  affine a = {p->weight, p->bias, p->w_dtype};
+  if (p->w_dtype == FO_F32 || n < NARROW_COLS) {
+    w = param_f32(p->weight, p->w_dtype, n, 1.0f);
+    b = p->bias ? param_f32(p->bias, p->w_dtype, n, 0.0f) : NULL;
+    a = (affine){w, b, FO_F32};
   }
-  free(params);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
+  free(b);
+  free(w);
 }
+
+/* ---- backward -------------------------------------------------------------- */
 
 int64_t fo_norm_bwd_cpu_parts(const fo_norm_bwd_params *p) {
   (void)p;
   return omp_get_max_threads();
 }
 
-/* One row of the backward, two passes (sums and dweight/dbias, then dx) with
- * xhat and g recomputed in the second; pw, pb: this thread's dweight/dbias
- * partial rows (NULL when not wanted); s_tmp, dy_tmp, ds_tmp: n floats of
- * scratch each for 16-bit conversions. */
-FO_CLONES static void bwd_row(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
-                              float *s_tmp, float *dy_tmp, float *ds_tmp) {
-  const int64_t n = p->cols;
-  const fo_dtype st = p->s_dtype;
-  const float mean = p->mean ? p->mean[r] : 0.0f, rstd = p->rstd[r];
-  const float *sf = as_f32(st, row_ptr(p->s, st, r, p->s_stride), s_tmp, n);
-  const float *dyf = as_f32(p->x_dtype, row_ptr(p->dy, p->x_dtype, r, p->dy_stride), dy_tmp, n);
-  float ag[16] = {0}, agx[16] = {0};  /* sum of g, of g * xhat: 16 accumulators */
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int m = n - j0 < 16 ? (int)(n - j0) : 16;
-    for (int k = 0; k < m; ++k) {
-      const int64_t j = j0 + k;
-      const float xh = (sf[j] - mean) * rstd, g = dyf[j] * w[j];
-      ag[k] += g;
-      agx[k] += g * xh;
-      if (pw) pw[j] += dyf[j] * xh;
-      if (pb) pb[j] += dyf[j];
-    }
-  }
-  for (int h = 8; h > 0; h >>= 1)
-    for (int k = 0; k < h; ++k) {
-      ag[k] += ag[k + h];
-      agx[k] += agx[k + h];
-    }
-  const float mean_g = p->rms ? 0.0f : ag[0] / (float)n, mean_gx = agx[0] / (float)n;
-  void *dxrow = (char *)p->dx + (size_t)(r * n) * fo_dtype_size(st);
-  float *dxv = st == FO_F32 ? (float *)dxrow : s_tmp;  /* over s_tmp: element by element */
-  const float *dsf = p->ds ? as_f32(st, row_ptr(p->ds, st, r, p->ds_stride), ds_tmp, n) : NULL;
-  for (int64_t j = 0; j < n; ++j) {
-    const float xh = (sf[j] - mean) * rstd, g = dyf[j] * w[j];
-    dxv[j] = rstd * (g - mean_g - xh * mean_gx) + (dsf ? dsf[j] : 0.0f);
-  }
-  if (st != FO_F32) fo_store_row(st, dxrow, dxv, n);
+/* The backward's per-row inputs. */
+typedef struct bwd_row_in {
+  const char *s, *dy, *ds; /* ds NULL when there is none */
+  float mean, rstd;
+} bwd_row_in;
+
+/* dy, xh = (s - mean) * rstd and g = dy * w for the block at column j (the
+ * lanes past len: 0, something finite, 0). */
+FO_INLINE void bwd_load(const bwd_row_in *in, const float *w, int64_t j, int len, fo_vf *dy, fo_vf *xh, fo_vf *g,
+                        const int isa, const fo_dtype xt, const fo_dtype st) {
+  *dy = fo_vload_n(isa, xt, in->dy + j * fo_dtype_size(xt), len);
+  *xh = (fo_vload_n(isa, st, in->s + j * fo_dtype_size(st), len) - in->mean) * in->rstd;
+  *g = *dy * *(const fo_vf *)(w + j);
 }
+
+/* Pass 1: ag += g, agx += g * xhat (lane k into [k]); this thread's dweight /
+ * dbias partial rows pw += dy * xhat, pb += dy (NULL when not wanted; rows of
+ * cols floats, written only below len). */
+FO_INLINE void bwd_block_sums(const bwd_row_in *in, const float *w, float *pw, float *pb, fo_vf *ag, fo_vf *agx,
+                              int64_t j, int len, const int isa, const fo_dtype xt, const fo_dtype st) {
+  fo_vf dy, xh, g;
+  bwd_load(in, w, j, len, &dy, &xh, &g, isa, xt, st);
+  *ag += g;
+  *agx += g * xh;
+  if (len == FO_VL) {
+    if (pw) *(fo_vf *)(pw + j) += dy * xh;
+    if (pb) *(fo_vf *)(pb + j) += dy;
+  } else {
+    const fo_vf dw = dy * xh;
+    for (int k = 0; k < len; ++k) {
+      if (pw) pw[j + k] += dw[k];
+      if (pb) pb[j + k] += dy[k];
+    }
+  }
+}
+
+/* Pass 2: dx = rstd * (g - mean_g - xhat * mean_gx) + ds. */
+FO_INLINE void bwd_block_dx(const bwd_row_in *in, const float *w, float mean_g, float mean_gx, char *dx,
+                            int64_t j, int len, const int isa, const fo_dtype xt, const fo_dtype st) {
+  const int ss = fo_dtype_size(st);
+  fo_vf dy, xh, g;
+  bwd_load(in, w, j, len, &dy, &xh, &g, isa, xt, st);
+  fo_vf v = in->rstd * (g - mean_g - xh * mean_gx);
+  if (in->ds) v += fo_vload_n(isa, st, in->ds + j * ss, len);
+  fo_vstore_n(isa, st, dx + j * ss, v, len);
+}
+
+/* One row of the backward; pw, pb: this thread's partial rows, or NULL. */
+FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
+                         const int isa, const fo_dtype xt, const fo_dtype st) {
+  const int64_t n = p->cols;
+  const bwd_row_in in = {row_ptr(p->s, st, r, p->s_stride), row_ptr(p->dy, xt, r, p->dy_stride),
+                         p->ds ? row_ptr(p->ds, st, r, p->ds_stride) : NULL,
+                         p->mean ? p->mean[r] : 0.0f, p->rstd[r]};
+  fo_vf ag = {0}, agx = {0}; /* sum of g, of g * xhat: 16 accumulators */
+  int64_t j = 0;
+  for (; j + FO_VL <= n; j += FO_VL) bwd_block_sums(&in, w, pw, pb, &ag, &agx, j, FO_VL, isa, xt, st);
+  if (j < n) bwd_block_sums(&in, w, pw, pb, &ag, &agx, j, (int)(n - j), isa, xt, st);
+  const float mean_g = p->rms ? 0.0f : fo_sum((const float *)&ag, FO_VL) / (float)n;
+  const float mean_gx = fo_sum((const float *)&agx, FO_VL) / (float)n;
+  char *dx = (char *)p->dx + (size_t)(r * n) * fo_dtype_size(st);
+  for (j = 0; j + FO_VL <= n; j += FO_VL) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, FO_VL, isa, xt, st);
+  if (j < n) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, (int)(n - j), isa, xt, st);
+}
+
+FO_INLINE void bwd_row_at(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
+                          const int isa) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, bwd_row_t, p, r, w, pw, pb, isa);
+}
+FO_ISA_DISPATCH(bwd_row, (const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb),
+                (p, r, w, pw, pb))
 
 void fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
   const int64_t n = p->cols;
   const int want_partial = p->dweight || p->dbias;
-  float *w = malloc(sizeof(float) * (size_t)(n + 1));
+  float *w = param_f32(p->weight, p->w_dtype, n, 1.0f);
   int64_t used = 0; /* threads the runtime actually gave: only their partial rows are written */
-  if (p->weight) fo_load_row(p->w_dtype, p->weight, w, n);
-  else for (int64_t j = 0; j < n; ++j) w[j] = 1.0f;
 
 #pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads()))
   {
-    float *scratch = malloc(sizeof(float) * (size_t)(3 * n + 1));
     float *pw = NULL, *pb = NULL;
 #pragma omp single
     used = omp_get_num_threads();
@@ -148,8 +270,7 @@ void fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
       for (int64_t j = 0; j < n; ++j) pw[j] = pb[j] = 0.0f;
     }
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, w, pw, pb, scratch, scratch + n, scratch + 2 * n);
-    free(scratch);
+    for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, w, p->dweight ? pw : NULL, p->dbias ? pb : NULL);
   }
   free(w);
 

@@ -1,7 +1,9 @@
 /* SwiGLU / GeGLU on the CPU: C11 + OpenMP over rows, each row in tiles of
  * kTile elements widened to fp32 on the stack, one fused pass: every input
  * element read once, every output element written once (forward 3 matrices,
- * backward 5). Math and layout: swiglu.h. */
+ * backward 5). The tile functions are compiled per x86-64 level
+ * (FO_ISA_DISPATCH: fp16 through F16C at v3 and v4). Math and layout:
+ * swiglu.h. */
 #include <omp.h>
 
 #include "../common/cpu_math.h"
@@ -21,31 +23,33 @@ static const char *row_at(const void *base, const fo_glu_rows *m, int64_t r, int
 
 /* An fp32 view of n elements: the data itself when it is fp32, else widened
  * into `scratch`. */
-static inline const float *as_f32(fo_dtype t, const void *p, float *scratch, int64_t n) {
+FO_INLINE const float *as_f32(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
   if (t == FO_F32) return (const float *)p;
-  fo_load_row(t, p, scratch, n);
+  fo_load_row_at(isa, t, p, scratch, n);
   return scratch;
 }
 
-FO_CLONES static void fwd_tile(fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n) {
+FO_INLINE void fwd_tile_at(fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n, const int isa) {
   float gs[kTile], us[kTile], os[kTile];
-  const float *restrict gf = as_f32(t, g, gs, n), *restrict uf = as_f32(t, u, us, n);
+  const float *restrict gf = as_f32(isa, t, g, gs, n), *restrict uf = as_f32(isa, t, u, us, n);
   float *restrict of = t == FO_F32 ? (float *)out : os;
   if (gelu) /* one loop per activation: each vectorises with no branch inside */
     for (int64_t j = 0; j < n; ++j) of[j] = fo_glu_fwd(gf[j], uf[j], 1);
   else
     for (int64_t j = 0; j < n; ++j) of[j] = fo_glu_fwd(gf[j], uf[j], 0);
-  if (t != FO_F32) fo_store_row(t, out, of, n);
+  if (t != FO_F32) fo_store_row_at(isa, t, out, of, n);
 }
+FO_ISA_DISPATCH(fwd_tile, (fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n),
+                (t, gelu, g, u, out, n))
 
 /* The results go through scratch tiles, in every dtype: the outputs may be
  * the inputs themselves (glu_bwd_), which restrict rules out. out, when not
  * NULL, receives the forward's output too. */
-FO_CLONES static void bwd_tile(fo_dtype t, int gelu, const void *d, const void *g, const void *u,
-                               void *dg, void *du, void *out, int64_t n) {
+FO_INLINE void bwd_tile_at(fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
+                           void *out, int64_t n, const int isa) {
   float ds[kTile], gs[kTile], us[kTile], dgf[kTile], duf[kTile], hf[kTile];
-  const float *restrict df = as_f32(t, d, ds, n), *restrict gf = as_f32(t, g, gs, n),
-                        *restrict uf = as_f32(t, u, us, n);
+  const float *restrict df = as_f32(isa, t, d, ds, n), *restrict gf = as_f32(isa, t, g, gs, n),
+                        *restrict uf = as_f32(isa, t, u, us, n);
   if (gelu)
     for (int64_t j = 0; j < n; ++j) fo_glu_bwd(df[j], gf[j], uf[j], 1, &dgf[j], &duf[j]);
   else
@@ -55,11 +59,14 @@ FO_CLONES static void bwd_tile(fo_dtype t, int gelu, const void *d, const void *
       for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 1);
     else
       for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 0);
-    fo_store_row(t, out, hf, n);
+    fo_store_row_at(isa, t, out, hf, n);
   }
-  fo_store_row(t, dg, dgf, n);
-  fo_store_row(t, du, duf, n);
+  fo_store_row_at(isa, t, dg, dgf, n);
+  fo_store_row_at(isa, t, du, duf, n);
 }
+FO_ISA_DISPATCH(bwd_tile, (fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
+                           void *out, int64_t n),
+                (t, gelu, d, g, u, dg, du, out, n))
 
 /* Rows split evenly over the threads; a row of more than kTile elements is
  * walked in tiles. Narrow rows are as cheap per element as wide ones: the

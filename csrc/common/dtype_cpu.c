@@ -1,0 +1,64 @@
+/* The x86-64 level the CPU kernels run at (cpu_dtype.h, FO_ISA_DISPATCH), and
+ * a test hook: the conversions of cpu_dtype.h at a chosen level, which
+ * tests/test_dtype.py calls through ctypes and checks against torch's. */
+#include <stdlib.h>
+
+#include "cpu_dtype.h"
+
+static int detect(void) {
+  int level = FO_ISA_BASE;
+#if FO_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) level = FO_ISA_V4;
+  else if (__builtin_cpu_supports("x86-64-v3")) level = FO_ISA_V3;
+#endif
+  const char *env = getenv("FUSEDOPS_CPU_ISA");
+  if (env && *env) {
+    const int cap = atoi(env);
+    if (cap < level) level = cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
+  }
+  return level;
+}
+
+static int level = -1; /* -1: not yet detected */
+
+int fo_cpu_isa(void) {
+  int l = __atomic_load_n(&level, __ATOMIC_RELAXED);
+  if (l < 0) { /* every thread that gets here computes the same */
+    l = detect();
+    __atomic_store_n(&level, l, __ATOMIC_RELAXED);
+  }
+  return l;
+}
+
+/* Runs the kernels at min(cap, what the CPU supports) from now on (not while
+ * a kernel runs); returns the level in effect. */
+int fo_cpu_set_isa(int cap) {
+  __atomic_store_n(&level, -1, __ATOMIC_RELAXED);
+  const int hw = fo_cpu_isa();
+  const int l = cap >= hw ? hw : cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
+  __atomic_store_n(&level, l, __ATOMIC_RELAXED);
+  return l;
+}
+
+/* dst = src converted, n elements: 16-bit (fo_dtype 1 or 2) to fp32 when
+ * widen, else fp32 to 16-bit; in blocks and a tail, as the kernels do. */
+FO_INLINE void convert_at(int t, int widen, const void *src, void *dst, int64_t n, const int isa) {
+  if (widen) fo_load_row_at(isa, (fo_dtype)t, src, (float *)dst, n);
+  else fo_store_row_at(isa, (fo_dtype)t, dst, (const float *)src, n);
+}
+FO_ISA_DISPATCH(convert, (int t, int widen, const void *src, void *dst, int64_t n), (t, widen, src, dst, n))
+
+/* The same at level isa, which must not be above fo_cpu_isa(). Returns 0, or
+ * -1 (nothing done) for a level or dtype out of range. */
+int fo_cpu_convert(int isa, int t, int widen, const void *src, void *dst, int64_t n) {
+  if (isa > fo_cpu_isa() || (t != FO_F16 && t != FO_BF16)) return -1;
+#if FO_X86
+  if (isa >= FO_ISA_V4) convert_v4(t, widen, src, dst, n);
+  else if (isa >= FO_ISA_V3) convert_v3(t, widen, src, dst, n);
+  else convert_v0(t, widen, src, dst, n);
+#else
+  convert(t, widen, src, dst, n);
+#endif
+  return 0;
+}
