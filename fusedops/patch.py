@@ -279,16 +279,25 @@ def _link_residual_chains(model):
 _HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor))
 
 
-def can_hand_on():
+def can_hand_on(norm=None):
     """Whether a layer may hand its next norm's output along with its own.
     Not under saved-tensor hooks: non-reentrant activation checkpointing
     (torch.utils.checkpoint, FSDP's wrapper) recomputes a layer and requires
     the same ops as in its forward, so a norm taken from the layer before in
     the forward and computed in the recomputation fails its check. (Reentrant
     checkpointing runs the forward under no_grad: take_prenormed refuses what
-    was made there.)"""
+    was made there.) Nor when `norm` (the next norm) holds a DTensor: FSDP2
+    keeps a module's parameters as sharded DTensors outside its own forward,
+    so the layer before cannot compute with them."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is None
+    if top is None or top(False) is not None:
+        return False
+    return norm is None or not any(_is_dtensor(p) for p in norm.parameters(recurse=False))
+
+
+def _is_dtensor(t):
+    dt = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor was made
+    return dt is not None and isinstance(t, dt.DTensor)
 
 
 def hand_on(s, norm, y):

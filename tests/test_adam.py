@@ -624,6 +624,9 @@ def test_state_dict_to_torch(device, config):
     for p, tp in zip(ps, tps):
         if p.numel():
             assert set(topt.state[tp]) == set(opt.state[p])
+    # The same keys in the param groups too (torch.distributed.checkpoint's
+    # set_state_dict maps a loaded state onto the optimizer's own keys).
+    assert [set(g) for g in opt.state_dict()["param_groups"]] == [set(g) for g in topt.state_dict()["param_groups"]]
     assert_resumes_bitwise(ours_cls, okw, ps, opt, grads, device)
     _continue(topt, tps, grads, 5, device)
     assert_parity((ps, opt), (tps, topt), f"{config}: our state continued by torch")
