@@ -246,10 +246,12 @@ def wrap(model, args):
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[args.device] if args.device.type == "cuda" else None)
     if args.dist == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(args.device.type, (args.world,))  # (the default is CUDA's wherever a GPU is)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model
 
 

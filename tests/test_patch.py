@@ -388,6 +388,8 @@ def test_hf_fsdp2_units(gloo_world):
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))  # (fully_shard's default is a CUDA mesh wherever a GPU is)
     m = _hf_model("Llama", layers=3)
     ref = copy.deepcopy(m)
     fusedops.patch(m)
@@ -395,8 +397,8 @@ def test_hf_fsdp2_units(gloo_world):
     grads = []
     for model in (m, ref):
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         for micro in range(2):
             model.set_requires_gradient_sync(micro == 1)
             model.set_reshard_after_backward(micro == 1)
