@@ -16,6 +16,7 @@
 # checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
 OUT=${OUT:-$PWD/gpu-out}; export OUT
 STEPS=${STEPS:-200} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.05}
 WORK=${DIST_WORK:-/tmp/fusedops-dist}; rm -rf "$WORK"; mkdir -p "$WORK" "$OUT/dist"
@@ -36,11 +37,11 @@ rc=0
 step() {  # name, then the command; its output to $OUT/dist/<name>.log, the last lines shown
   local name=$1; shift
   local t0=$(date +%s)
-  "$@" "${where[@]}" --steps "${RUN_STEPS:-$STEPS}" --out "$WORK/$name" >"$OUT/dist/$name.log" 2>&1 || { rc=1; echo "$name FAILED"; }
+  "$@" ${where[@]+"${where[@]}"} --steps "${RUN_STEPS:-$STEPS}" --out "$WORK/$name" >"$OUT/dist/$name.log" 2>&1 || { rc=1; echo "$name FAILED"; }
   echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -3 "$OUT/dist/$name.log"
   mkdir -p "$OUT/dist/$name"; cp "$WORK/$name"/summary.json "$WORK/$name"/loss.png "$OUT/dist/$name/" 2>/dev/null
 }
-run2="torchrun --standalone --nproc_per_node 2 examples/train.py"
+run2="python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/train.py"
 step single python3 examples/train.py --runs pytorch,fusedops
 step ddp $run2 --dist ddp --runs pytorch,fusedops
 step fsdp $run2 --dist fsdp --runs pytorch,fusedops --save-at "$half" --ckpt-format dcp
@@ -90,4 +91,5 @@ else:
 print(f"loss tolerance (bf16): max|dloss| <= {atol}; {'all PASS' if ok else 'FAILURES above'}")
 sys.exit(0 if ok else 1)
 EOF
+echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all"
 exit $rc
