@@ -19,10 +19,32 @@ The fusedops run is the plain one plus two lines:
 Writes OUT/summary.json (per run: tokens/s, step time, peak GPU memory, final
 loss, the loss curve) and, where matplotlib is installed, OUT/loss.png
 (--plot-from OUT/summary.json draws it later, elsewhere).
+
+On several GPUs (or CPU processes, gloo), under torchrun:
+
+    torchrun --nproc_per_node 2 examples/train.py --dist fsdp
+    torchrun --nproc_per_node 2 examples/train.py --dist ddp --runs fusedops
+
+--dist ddp wraps the (patched) model in DistributedDataParallel; --dist fsdp
+shards it with FSDP2 (fully_shard on every decoder layer, then the whole model),
+whose parameters are DTensors: FusedAdamW updates their local shards, one launch
+per parameter group as on one GPU. --batch is the global batch: each process
+takes its slice of every batch, and the loss printed and recorded is the mean
+over all processes, so the curve is comparable with one process's over the same
+batches. Only rank 0 prints and writes.
+
+Checkpoints: --save-at 150 saves after step 150 of each run, into OUT/<run>-step150
+(torch.distributed.checkpoint: every process writes its shards) and/or, with
+--ckpt-format full, OUT/<run>-step150.pt (one torch.save file of the full model
+and optimizer state, keyed by parameter name: it loads without
+torch.distributed, into torch.optim.AdamW say). --resume PATH (either kind)
+continues a run from its step, with any --dist, number of processes and
+optimizer: FusedAdamW's state is torch's AdamW's.
 """
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +65,10 @@ CONFIGS = {
     "cuda": dict(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=8, batch=8, seq=1024, steps=300,
                  dtype="amp-bf16"),
+    # A second or so on 2 CPU cores: the distributed tests (an odd vocabulary,
+    # so that FSDP2 shards the embeddings unevenly).
+    "tiny": dict(vocab_size=67, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, batch=4, seq=32, steps=16, dtype="fp32"),
 }
 # Parameter dtype, and the dtype autocast computes in (None: no autocast).
 # amp-bf16 is the usual mixed-precision recipe: fp32 parameters and optimizer
@@ -56,7 +82,9 @@ DTYPES = {"fp32": (torch.float32, None), "amp-bf16": (torch.float32, torch.bfloa
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (under torchrun, each process takes the GPU of its LOCAL_RANK)")
+    p.add_argument("--preset", choices=CONFIGS, help="model and data (default: by device)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: by device)")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
@@ -68,12 +96,21 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",
+                   help="data parallel over the processes torchrun starts (nccl on CUDA, gloo on the CPU): "
+                        "DistributedDataParallel or FSDP2 (default %(default)s)")
+    p.add_argument("--save-at", default="", metavar="STEPS",
+                   help="comma-separated steps after which each run saves a checkpoint in OUT")
+    p.add_argument("--ckpt-format", default="dcp", metavar="FORMATS",
+                   help="dcp (a torch.distributed.checkpoint folder) and/or full (one .pt file of the "
+                        "full state, written by rank 0), comma-separated (default %(default)s)")
+    p.add_argument("--resume", metavar="CKPT", help="continue from a checkpoint (a DCP folder or a .pt file)")
     p.add_argument("--plot-from", metavar="SUMMARY_JSON",
                    help="train nothing: draw loss.png beside a summary.json written before (on a machine "
                         "without matplotlib, say)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
-    cfg = dict(CONFIGS["cuda" if args.device.type == "cuda" else "cpu"])
+    cfg = dict(CONFIGS[args.preset or ("cuda" if args.device.type == "cuda" else "cpu")])
     for k in ("steps", "batch", "seq", "dtype"):
         if getattr(args, k) is not None:
             cfg[k] = getattr(args, k)
@@ -81,6 +118,13 @@ def parse_args(argv=None):
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or set(args.runs) - {"pytorch", "fusedops"}:
         p.error(f"--runs: {args.runs}; expected pytorch, fusedops or both")
+    try:
+        args.save_at = sorted({int(k) for k in args.save_at.split(",") if k.strip()})
+    except ValueError:
+        p.error(f"--save-at: {args.save_at!r}; expected comma-separated step numbers")
+    args.ckpt_format = {f.strip() for f in args.ckpt_format.split(",") if f.strip()}
+    if not args.ckpt_format or args.ckpt_format - {"dcp", "full"}:
+        p.error(f"--ckpt-format: {sorted(args.ckpt_format)}; expected dcp, full or both")
     return args
 
 
@@ -119,39 +163,141 @@ def train(run, args, data):
     cfg, device = args.cfg, args.device
     model = make_model(cfg, device, args.seed)
     if run == "fusedops":
-        fusedops.patch(model)
-        print(model.fusedops_report)
+        fusedops.patch(model)  # before wrapping (DDP, FSDP)
+        say(args, model.fusedops_report)
+    model = wrap(model, args)
+    if run == "fusedops":
         opt = fusedops.optim.FusedAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    first = load_checkpoint(model, opt, args.resume, args) if args.resume else 0
+    if first >= cfg["steps"]:
+        sys.exit(f"--resume {args.resume}: saved after step {first}, nothing left of --steps {cfg['steps']}")
+    if first:
+        say(args, f"[{run}] resumed from {args.resume} after step {first}")
     step_fn = torch.compile(model) if args.compile else model
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = [], []
-    tokens = cfg["batch"] * cfg["seq"]
+    tokens = cfg["batch"] * cfg["seq"]  # a step's, over all processes
+    mine = slice(args.rank * cfg["batch"] // args.world, (args.rank + 1) * cfg["batch"] // args.world)
     amp = DTYPES[cfg["dtype"]][1]
-    for step in range(cfg["steps"]):
+    for step in range(first, cfg["steps"]):
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg["steps"], args.lr)
-        x = data[step].to(device, non_blocking=True)
+        x = data[step, mine].to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             loss = step_fn(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # (syncs: the step time is the whole step's)
+        losses.append(mean_over_processes(loss.detach(), args))  # (syncs: the step time is the whole step's)
         times.append(time.perf_counter() - t0)
+        if step + 1 in args.save_at:
+            save_checkpoint(model, opt, step + 1, Path(args.out) / f"{run}-step{step + 1}", args)
         if step % max(1, cfg["steps"] // 15) == 0 or step == cfg["steps"] - 1:
-            recent = times[max(1, step - 9):] or times
-            print(f"[{run}] step {step + 1:4d}/{cfg['steps']}  loss {losses[-1]:.4f}  "
-                  f"{tokens / (sum(recent) / len(recent)) / 1e3:7.1f} k tokens/s", flush=True)
+            recent = times[max(1, len(times) - 10):] or times
+            say(args, f"[{run}] step {step + 1:4d}/{cfg['steps']}  loss {losses[-1]:.4f}  "
+                      f"{tokens / (sum(recent) / len(recent)) / 1e3:7.1f} k tokens/s")
     timed = times[min(len(times) - 1, 3):]  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)
     return {"run": run, "params": sum(p.numel() for p in model.parameters()),
             "tokens_per_s": tokens / step_s, "step_ms": step_s * 1e3,
             "peak_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-            "final_loss": sum(losses[-10:]) / len(losses[-10:]), "losses": losses}
+            "final_loss": sum(losses[-10:]) / len(losses[-10:]), "first_step": first, "losses": losses}
+
+
+# --------------------------------------------------------------- several processes
+def say(args, *what):
+    if args.rank == 0:
+        print(*what, flush=True)
+
+
+def init_dist(args):
+    """Under --dist: join the process group torchrun describes in the
+    environment (nccl on CUDA, gloo on the CPU) unless this process is in one
+    already, and on CUDA take the GPU of LOCAL_RANK. Sets args.rank and
+    args.world; returns whether the group was made here (main ends it)."""
+    import torch.distributed as dist
+    args.rank, args.world = 0, 1
+    if args.dist == "none":
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (dist.is_available() and dist.is_initialized()):
+            sys.exit(f"{os.environ['WORLD_SIZE']} processes (torchrun) but --dist none: pass --dist ddp or fsdp")
+        return False
+    if args.device.type == "cuda":
+        args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(args.device)
+    made = not dist.is_initialized()
+    if made:
+        if "RANK" not in os.environ:
+            sys.exit(f"--dist {args.dist}: start it with torchrun --nproc_per_node N examples/train.py ...")
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+    args.rank, args.world = dist.get_rank(), dist.get_world_size()
+    if args.cfg["batch"] % args.world:
+        sys.exit(f"--batch {args.cfg['batch']} (the global batch) does not split over {args.world} processes")
+    return made
+
+
+def wrap(model, args):
+    """The model as the steps run it: as it is, in DistributedDataParallel, or
+    sharded by FSDP2 (each decoder layer a unit, the rest in the root's)."""
+    if args.dist == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[args.device] if args.device.type == "cuda" else None)
+    if args.dist == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(args.device.type, (args.world,))  # (the default is CUDA's wherever a GPU is)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def mean_over_processes(loss, args):
+    """The loss over the global batch: the mean of the processes' (each has as
+    many tokens)."""
+    if args.world > 1:
+        import torch.distributed as dist
+        loss = loss.clone()
+        dist.all_reduce(loss)  # a sum: gloo has no AVG
+        loss /= args.world
+    return loss.item()
+
+
+def save_checkpoint(model, opt, step, path, args):
+    """The model and optimizer state after `step` steps, as the --ckpt-format
+    asks: a DCP folder at `path` (each process writes its shards), and/or the
+    full state in path.pt, keyed by parameter name (rank 0 writes it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    if "dcp" in args.ckpt_format:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "step": step}, checkpoint_id=path, no_dist=args.dist == "none")
+    if "full" in args.ckpt_format:
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if args.rank == 0:
+            torch.save({"model": msd, "optim": osd, "step": step}, path.with_name(path.name + ".pt"))
+    say(args, "saved " + " and ".join(f"{path}{'.pt' if f == 'full' else ''}" for f in sorted(args.ckpt_format)))
+
+
+def load_checkpoint(model, opt, path, args):
+    """Load what save_checkpoint wrote (under any --dist and number of
+    processes, with either optimizer) into model and opt; returns its step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    if str(path).endswith(".pt"):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        options = StateDictOptions(full_state_dict=True)  # each process takes its shards of it
+    else:
+        import torch.distributed.checkpoint as dcp
+        msd, osd = get_state_dict(model, opt)  # what to load, as this run holds it
+        state = {"model": msd, "optim": osd, "step": 0}
+        dcp.load(state, checkpoint_id=path, no_dist=args.dist == "none")
+        options = None
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
+    return int(state["step"])
 
 
 def plot(results, floor, path):
@@ -164,20 +310,31 @@ def plot(results, floor, path):
     fig, axes = plt.subplots(2 if len(results) == 2 else 1, 1, figsize=(8, 6 if len(results) == 2 else 4),
                              sharex=True, squeeze=False)
     ax = axes[0][0]
+    steps = range(results[0].get("first_step", 0), results[0].get("first_step", 0) + len(results[0]["losses"]))
     for r in results:
-        ax.plot(r["losses"], label=f"{r['run']} ({r['tokens_per_s'] / 1e3:.1f} k tokens/s)", lw=1)
+        ax.plot(steps, r["losses"], label=f"{r['run']} ({r['tokens_per_s'] / 1e3:.1f} k tokens/s)", lw=1)
     ax.axhline(floor, color="gray", ls=":", label=f"entropy floor ln {BRANCH}")
     ax.set_ylabel("training loss")
     ax.legend()
     if len(results) == 2:
         diff = [b - a for a, b in zip(results[0]["losses"], results[1]["losses"])]
-        axes[1][0].plot(diff, lw=1, color="C3")
+        axes[1][0].plot(steps, diff, lw=1, color="C3")
         axes[1][0].set_ylabel("loss difference")
         axes[1][0].set_title(f"{results[1]['run']} - {results[0]['run']}", fontsize=9)
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def run_all(args):
+    cfg = args.cfg
+    say(args, f"{args.device}: Llama {cfg}; loss from ln {cfg['vocab_size']} = {math.log(cfg['vocab_size']):.3f} "
+              f"down to ln {BRANCH} = {math.log(BRANCH):.3f} at best"
+              + (f"; {args.dist} over {args.world} processes" if args.dist != "none" else ""))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    data = markov_data(cfg, args.seed)
+    return [train(run, args, data) for run in args.runs]
 
 
 def main(argv=None):
@@ -192,17 +349,21 @@ def main(argv=None):
         import transformers  # noqa: F401
     except ImportError:
         sys.exit("examples/train.py needs transformers: pip install fusedops[hf]")
-    cfg = args.cfg
-    floor = math.log(BRANCH)
-    print(f"{args.device}: Llama {cfg}; loss from ln {cfg['vocab_size']} = {math.log(cfg['vocab_size']):.3f} "
-          f"down to ln {BRANCH} = {floor:.3f} at best", flush=True)
-    data = markov_data(cfg, args.seed)
-    results = [train(run, args, data) for run in args.runs]
+    made_group = init_dist(args)
+    try:
+        results = run_all(args)
+    finally:
+        if made_group:
+            torch.distributed.barrier()  # no process tears down while another still talks
+            torch.distributed.destroy_process_group()
+    if args.rank != 0:
+        return
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    floor = math.log(BRANCH)
     summary = {"device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__,
-               "fusedops": fusedops.__version__, "config": cfg, "compile": args.compile,
+               "fusedops": fusedops.__version__, "config": args.cfg, "compile": args.compile,
+               "dist": args.dist, "processes": args.world, "resume": args.resume,
                "entropy_floor": floor, "runs": results}
     if len(results) == 2:
         d = [abs(a - b) for a, b in zip(results[0]["losses"], results[1]["losses"])]

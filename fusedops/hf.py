@@ -201,8 +201,9 @@ def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None
                                               # to the next layer's input norm
 
     The last step needs the next norm (linked by fusedops.patch) and is plain
-    `r + m` without it, under activation checkpointing (patch.can_hand_on) and
-    under torch.compile (which fuses that add itself)."""
+    `r + m` without it, under activation checkpointing, in a layer FSDP2
+    shards as a unit (patch.can_hand_on) and under torch.compile (which fuses
+    that add itself)."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
@@ -213,7 +214,7 @@ def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None
     hidden_states = self.mlp(hidden_states)
     nxt = self.__dict__.get("_fusedops_next_norm")
     if (nxt is None or (self.gradient_checkpointing and self.training) or torch.compiler.is_compiling()
-            or not can_hand_on()):
+            or not can_hand_on(self, nxt)):
         return residual + hidden_states
     y, s = nxt(hidden_states, residual)
     return hand_on(s, nxt, y)

@@ -138,6 +138,18 @@ class FusedAdam(Optimizer):
             state.pop("master_param", None)
         return state
 
+    def state_dict(self):
+        """torch's state_dict, with master_weights left out of the groups where
+        it is off: the keys are then torch's Adam's / AdamW's exactly, which
+        torch.distributed.checkpoint's get_state_dict / set_state_dict need to
+        load the one's state into the other (load_state_dict keeps the current
+        setting where a group does not say)."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:  # (copies of self.param_groups')
+            if not group.get("master_weights", False):
+                group.pop("master_weights", None)
+        return sd
+
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, then each state brought to the kernel's form
         from the tensors as saved: torch's loader casts floating-point state to

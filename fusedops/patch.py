@@ -279,16 +279,26 @@ def _link_residual_chains(model):
 _HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor))
 
 
-def can_hand_on():
-    """Whether a layer may hand its next norm's output along with its own.
+def can_hand_on(layer=None, norm=None):
+    """Whether `layer` may hand its next norm's output along with its own.
     Not under saved-tensor hooks: non-reentrant activation checkpointing
     (torch.utils.checkpoint, FSDP's wrapper) recomputes a layer and requires
     the same ops as in its forward, so a norm taken from the layer before in
     the forward and computed in the recomputation fails its check. (Reentrant
     checkpointing runs the forward under no_grad: take_prenormed refuses what
-    was made there.)"""
+    was made there.) Nor from a layer that FSDP2 shards as a unit of its own
+    (fully_shard): the next norm's weight is then a sharded DTensor (FSDP2
+    gathers a unit's parameters for its own forward only), or, kept gathered,
+    would get its gradient after its unit has reduced its gradients. Nor to a
+    norm whose weight is a DTensor, whoever sharded it."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is None
+    if top is None or top(False) is not None:
+        return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
+    if layer is not None and fsdp is not None and isinstance(layer, getattr(fsdp, "FSDPModule", ())):
+        return False
+    dt = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor was made
+    return norm is None or dt is None or not any(isinstance(p, dt.DTensor) for p in norm.parameters(recurse=False))
 
 
 def hand_on(s, norm, y):

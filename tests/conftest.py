@@ -24,6 +24,21 @@ def device(request):
     return request.param
 
 
+@pytest.fixture
+def gloo_world():
+    """A one-process gloo process group for the test (DTensors, FSDP2)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Seed from the test's node id: each parametrised case gets its own random

@@ -624,6 +624,9 @@ def test_state_dict_to_torch(device, config):
     for p, tp in zip(ps, tps):
         if p.numel():
             assert set(topt.state[tp]) == set(opt.state[p])
+    # The same keys in the param groups too (torch.distributed.checkpoint's
+    # set_state_dict maps a loaded state onto the optimizer's own keys).
+    assert [set(g) for g in opt.state_dict()["param_groups"]] == [set(g) for g in topt.state_dict()["param_groups"]]
     assert_resumes_bitwise(ours_cls, okw, ps, opt, grads, device)
     _continue(topt, tps, grads, 5, device)
     assert_parity((ps, opt), (tps, topt), f"{config}: our state continued by torch")
@@ -799,27 +802,10 @@ def test_constructor_checks():
         FusedAdamW(p, differentiable=True)
 
 
-def _gloo_world():
-    import torch.distributed as dist
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist
-
-
-def test_dtensor_params():
+def test_dtensor_params(gloo_world):
     """DTensor params (a one-process gloo world, Shard(0) and Replicate) are
-    updated through their local shards, as torch's AdamW updates them."""
-    dist = _gloo_world()
-    try:
-        _check_dtensor_params()
-    finally:
-        dist.destroy_process_group()
-
-
-def _check_dtensor_params():
+    updated through their local shards, as torch's AdamW updates them.
+    (tests/test_distributed.py trains under FSDP2 on 2 processes.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (1,))

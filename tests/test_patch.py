@@ -377,6 +377,37 @@ def test_hf_checkpointing_outside_transformers(reentrant):
         torch.testing.assert_close(g[n], g_ref[n], rtol=0, atol=1e-5)
 
 
+def test_hf_fsdp2_units(gloo_world):
+    """Decoder layers that FSDP2 shards as units of their own (fully_shard; a
+    one-process gloo world here): no layer computes the next one's input norm,
+    whose weight is a shard then, or, kept gathered between gradient
+    accumulation steps, would get its gradient after its unit had reduced
+    them (1e-2 off in this test when it did). Two micro-steps, the first
+    without gradient sync or resharding: the unpatched model's gradients."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))  # (fully_shard's default is a CUDA mesh wherever a GPU is)
+    m = _hf_model("Llama", layers=3)
+    ref = copy.deepcopy(m)
+    fusedops.patch(m)
+    ids = torch.randint(0, 96, (2, 10))
+    grads = []
+    for model in (m, ref):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            model.set_reshard_after_backward(micro == 1)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-5, msg=n)
+
+
 def test_hf_mlp_that_cannot_be_fused():
     """A projection wrapped after patching (a LoRA adapter, say) or a hook on it
     makes the MLP run its original forward; one wrapped before, or an activation

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One call on a 2-GPU machine: build the CUDA extension (tools/gpu.sh build),
+# then examples/train.py (the small Llama, amp-bf16, global batch 8 x 1024
+# tokens) four ways, plain PyTorch and patched with fusedops + FusedAdamW each:
+#   1 GPU                    python examples/train.py
+#   2 GPUs, DDP              torchrun --nproc_per_node 2 examples/train.py --dist ddp
+#   2 GPUs, FSDP2            ... --dist fsdp --save-at STEPS/2 (a DCP checkpoint)
+#   2 GPUs, FSDP2 resumed    ... --dist fsdp --resume <that checkpoint> (fusedops run)
+#   2 GPUs, FSDP2, batch 16  ... --dist fsdp --batch 16 (weak scaling, WEAK_STEPS steps)
+# and prints a table last: tokens/s, peak memory, the loss curves' largest
+# difference from the 1-GPU run of the same kind (PASS within BF16_ATOL), the
+# resumed curve's from the uninterrupted one, fusedops / pytorch tokens/s.
+#   tools/dist_gpu.sh            # STEPS=200 WEAK_STEPS=60 BF16_ATOL=0.05 by default
+#   DRY=1 tools/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
+# Summaries go to $OUT/dist (the device tool's folder) or ./gpu-out/dist;
+# checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+OUT=${OUT:-$PWD/gpu-out}; export OUT
+STEPS=${STEPS:-200} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.05}
+WORK=${DIST_WORK:-/tmp/fusedops-dist}; rm -rf "$WORK"; mkdir -p "$WORK" "$OUT/dist"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+where=()
+if [[ ${DRY:-0} == 1 ]]; then
+  where=(--device cpu --preset tiny); STEPS=16 WEAK_STEPS=8
+else
+  tools/gpu.sh build || exit 1
+  python3 -c "import transformers" 2>/dev/null \
+    || python3 -m pip install -q --no-index --find-links .whl/hf-py312 transformers >"$OUT/hf-install.log" 2>&1 \
+    || { tail -20 "$OUT/hf-install.log"; echo "NO TRANSFORMERS"; exit 1; }
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  [[ $ngpu -ge 2 ]] || { echo "needs 2 GPUs, found $ngpu"; exit 1; }
+fi
+half=$((STEPS / 2))
+rc=0
+step() {  # name, then the command; its output to $OUT/dist/<name>.log, the last lines shown
+  local name=$1; shift
+  local t0=$(date +%s)
+  "$@" ${where[@]+"${where[@]}"} --steps "${RUN_STEPS:-$STEPS}" --out "$WORK/$name" >"$OUT/dist/$name.log" 2>&1 || { rc=1; echo "$name FAILED"; }
+  echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -3 "$OUT/dist/$name.log"
+  mkdir -p "$OUT/dist/$name"; cp "$WORK/$name"/summary.json "$WORK/$name"/loss.png "$OUT/dist/$name/" 2>/dev/null
+}
+run2="python3 -m torch.distributed.run --standalone --nproc_per_node 2 examples/train.py"
+step single python3 examples/train.py --runs pytorch,fusedops
+step ddp $run2 --dist ddp --runs pytorch,fusedops
+step fsdp $run2 --dist fsdp --runs pytorch,fusedops --save-at "$half" --ckpt-format dcp
+step resume $run2 --dist fsdp --runs fusedops --resume "$WORK/fsdp/fusedops-step$half"
+RUN_STEPS=$WEAK_STEPS step weak $run2 --dist fsdp --runs pytorch,fusedops --batch 16
+
+python3 - "$OUT/dist" "$BF16_ATOL" <<'EOF' || rc=1
+import json, sys
+from pathlib import Path
+out, atol = Path(sys.argv[1]), float(sys.argv[2])
+def load(name):
+    p = out / name / "summary.json"
+    return {r["run"]: r for r in json.loads(p.read_text())["runs"]} if p.exists() else {}
+single, ok = load("single"), True
+print(f"\n{'setup':8s} {'GPUs':>4s} {'batch':>9s} {'run':9s} {'k tok/s':>8s} {'x 1 GPU':>8s} "
+      f"{'peak GiB':>8s} {'max|dloss| vs 1 GPU':>19s}")
+def config(name):
+    p = out / name / "summary.json"
+    c = json.loads(p.read_text())["config"] if p.exists() else {}
+    return f"{c.get('batch')}x{c.get('seq')}"
+for name, label, gpus in (("single", "1 GPU", 1), ("ddp", "DDP", 2), ("fsdp", "FSDP2", 2), ("weak", "FSDP2", 2)):
+    batch = config(name)
+    for run, r in load(name).items():
+        base = single.get(run)
+        scale = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and name != "single" else ""
+        d = ""
+        if base and name in ("ddp", "fsdp"):
+            diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+            d = f"{diff:.2e} {'PASS' if diff <= atol else 'FAIL'}"
+            ok &= diff <= atol
+        mem = f"{r['peak_memory_GiB']:.2f}" if r["peak_memory_GiB"] is not None else "-"
+        print(f"{label:8s} {gpus:4d} {batch:>9s} {run:9s} {r['tokens_per_s'] / 1e3:8.1f} {scale:>8s} "
+              f"{mem:>8s} {d:>19s}")
+for name, label in (("single", "1 GPU"), ("ddp", "DDP"), ("fsdp", "FSDP2"), ("weak", "FSDP2 batch 16")):
+    rs = load(name)
+    if {"pytorch", "fusedops"} <= set(rs):
+        print(f"fusedops / pytorch tokens/s, {label}: {rs['fusedops']['tokens_per_s'] / rs['pytorch']['tokens_per_s']:.3f}")
+full, resumed = load("fsdp").get("fusedops"), load("resume").get("fusedops")
+if full and resumed:
+    k = resumed["first_step"]
+    diff = max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][k:]))
+    print(f"FSDP2 fusedops resumed from DCP after step {k}: max|dloss| vs uninterrupted {diff:.2e} "
+          f"({'PASS' if diff <= atol else 'FAIL'}; bitwise: {resumed['losses'] == full['losses'][k:]})")
+    ok &= diff <= atol
+else:
+    print("FSDP2 resume: missing summaries"); ok = False
+print(f"loss tolerance (bf16): max|dloss| <= {atol}; {'all PASS' if ok else 'FAILURES above'}")
+sys.exit(0 if ok else 1)
+EOF
+echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all"
+exit $rc
