@@ -1,5 +1,6 @@
 """Public functions of fusedops. Each is one custom op call plus argument
 handling; autograd and torch.compile support come from fusedops/ops."""
+import contextlib
 import warnings
 
 import torch
@@ -7,6 +8,16 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 _ops = torch.ops.fusedops
+
+
+def autocast_dtype(device_type):
+    """The dtype torch.autocast computes in on device_type, or None where
+    autocast is off there (or has no such device: meta tensors; under
+    torch.compile tensors are on real devices, and the availability check is
+    left out of the trace)."""
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _param(t, x):
@@ -103,13 +114,13 @@ class _GLUMLP(torch.autograd.Function):
         orig = (x, wg, wu, wd, bg, bu, bd)
         dev = x.device.type
         wgu = _joint_weight(wg, wu)
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
+        dt = autocast_dtype(dev)
+        if dt is not None:
             x, wg, wu, wd, bg, bu, bd = (t if t is None else t.to(dt) for t in orig)
             if wgu is not None:  # one cast, and Wg, Wu its halves
                 wgu = wgu.to(dt)
                 wg, wu = wgu.chunk(2)
-        with torch.autocast(dev, enabled=False):
+        with torch.autocast(dev, enabled=False) if dt is not None else contextlib.nullcontext():
             if wgu is not None:
                 bgu = None if bg is None and bu is None else torch.cat(
                     [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
@@ -184,7 +195,7 @@ def _check_mlp(x, wg, wu, wd, bg, bu, bd, activation):
                 "gate_bias": bg is None or tuple(bg.shape) == (f,),
                 "up_bias": bu is None or tuple(bu.shape) == (f,),
                 "down_bias": bd is None or (wd.dim() == 2 and tuple(bd.shape) == (wd.shape[0],))}
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_dtype(x.device.type) is not None
     for name, (t, expected) in want.items():
         if t is None:
             continue
