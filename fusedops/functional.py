@@ -265,14 +265,16 @@ def flash_attention(q, k, v, causal=False, scale=None, deterministic=False):
     strides (unit stride along head_dim; transposed (B, H, S, D) views need no
     copy). causal: torch SDPA's is_causal, the top-left mask tril(ones(Sq, Sk)).
     scale defaults to 1/sqrt(head_dim). deterministic: bitwise-repeatable
-    gradients. Raises where the kernels do not apply (never falls back)."""
+    gradients (also on whenever torch.use_deterministic_algorithms(True) is).
+    Raises where the kernels do not apply (never falls back)."""
     if q.device.type == "cuda":
         gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
         if gap is not None:
             raise RuntimeError(f"fusedops.flash_attention: not supported: {gap}")
     if scale is None:
         scale = _default_scale(q)
-    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), bool(deterministic))
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), deterministic)
     return out
 
 
@@ -310,7 +312,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     results, on (..., heads, seq, head_dim) tensors. Calls fusedops' kernels
     where they apply (on the CPU: float32, float16 and bfloat16, any head dim;
     no mask, no dropout) and torch's function otherwise, with a warning the
-    first time for each reason."""
+    first time for each reason. The backward is bitwise repeatable under
+    torch.use_deterministic_algorithms(True)."""
     q, k, v = query, key, value
     gap = _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa)
     if gap is not None:
@@ -329,6 +332,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return t.reshape(-1, *t.shape[-3:]).transpose(1, 2)
     if scale is None:
         scale = _default_scale(q)
-    out, _ = _ops.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal), False)
+    out, _ = _ops.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal),
+                           torch.are_deterministic_algorithms_enabled())
     out = out.transpose(1, 2)  # (B, H, S, D), a view
     return out.reshape(*lead, *out.shape[1:])

@@ -553,6 +553,20 @@ def _adam_once(a):
     return test_adam.run_op(c, test_adam.op_inputs(c, a["x"].device))["master_params"]
 
 
+def _attention_in_deterministic_mode(a):
+    """flash_attention forward and backward under torch.use_deterministic_algorithms(True)
+    (head dim 64: on CUDA the backward would otherwise add dQ with atomics)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        q, k, v = (a[n].detach().requires_grad_() for n in ("q", "k", "v"))
+        out = FF.flash_attention(q, k, v, causal=True)
+        out.backward(a["do"])
+        return [out, q.grad, k.grad, v.grad]
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 # (id, fn(inputs) -> tensors, the same with another CPU thread count). The
 # CPU's norm backward sums dweight / dbias per thread: bitwise repeatable at
 # one thread count only (its dx does not depend on it).
@@ -570,6 +584,7 @@ DETERMINISTIC = [
     ("attn_bwd_deterministic", lambda a: ops.attn_bwd(a["do"], a["q"], a["k"], a["v"],
                                                       *ops.attn_fwd(a["q"], a["k"], a["v"], 0.125, True),
                                                       0.125, True, True), True),
+    ("flash_attention_deterministic_mode", _attention_in_deterministic_mode, True),
     ("adam_step", _adam_once, True),
 ]
 
