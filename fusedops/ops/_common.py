@@ -67,8 +67,18 @@ def register_mutating(op):
             value = args[i] if i < len(args) else kwargs.get(name)
             yield from _flat(name, value)
 
+    def values_written(args, kwargs):  # the tensors alone, with little Python per tensor
+        out = []
+        for i, name in written:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif value:
+                out.extend(value)
+        return out
+
     def autograd_kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # (an optimizer step runs under no_grad: nothing to check)
             for name, t in tensors_written(args, kwargs):
                 if t.requires_grad:
                     raise RuntimeError(
@@ -80,9 +90,8 @@ def register_mutating(op):
             return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     def inplace_kernel(keyset, *args, **kwargs):
-        for _, t in tensors_written(args, kwargs):
-            if not t.is_inference():
-                torch.autograd.graph.increment_version(t)
+        # one call for all (inference tensors, which have no version, are skipped by torch)
+        torch.autograd.graph.increment_version(values_written(args, kwargs))
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return overload.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
                                        **kwargs)
