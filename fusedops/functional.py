@@ -1,11 +1,23 @@
 """Public functions of fusedops. Each is one custom op call plus argument
 handling; autograd and torch.compile support come from fusedops/ops."""
+import contextlib
 import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 _ops = torch.ops.fusedops
+
+
+def autocast_dtype(device_type):
+    """The dtype torch.autocast computes in on device_type, or None where
+    autocast is off there (or has no such device: meta tensors; under
+    torch.compile tensors are on real devices, and the availability check is
+    left out of the trace)."""
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _param(t, x):
@@ -102,13 +114,13 @@ class _GLUMLP(torch.autograd.Function):
         orig = (x, wg, wu, wd, bg, bu, bd)
         dev = x.device.type
         wgu = _joint_weight(wg, wu)
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
+        dt = autocast_dtype(dev)
+        if dt is not None:
             x, wg, wu, wd, bg, bu, bd = (t if t is None else t.to(dt) for t in orig)
             if wgu is not None:  # one cast, and Wg, Wu its halves
                 wgu = wgu.to(dt)
                 wg, wu = wgu.chunk(2)
-        with torch.autocast(dev, enabled=False):
+        with torch.autocast(dev, enabled=False) if dt is not None else contextlib.nullcontext():
             if wgu is not None:
                 bgu = None if bg is None and bu is None else torch.cat(
                     [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
@@ -127,28 +139,25 @@ class _GLUMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the in-place kernels have no gradient
     def backward(ctx, dy):
         need = ctx.needs_input_grad
         if ctx.packed:
             x, gate_up, wgu, wd = ctx.saved_tensors
-            saved = (gate_up,)
         else:
             x, gate, up, wg, wu, wd = ctx.saved_tensors
-            saved = (gate, up)
         f = wd.shape[1]
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.to(wd.dtype).reshape(-1, dy.shape[-1])
         # One pass turns dh = dy Wd into h (the activation, recomputed, for
         # dWd) and the projections into their gradients, all in place: the
         # projections are needed no more. A second backward through this graph
-        # finds them changed and raises.
+        # finds them changed (the ops bump their versions) and raises.
         h2 = dy2 @ wd
         if ctx.packed:
             _ops.glu_packed_bwd_(h2, gate_up.view(-1, 2 * f), ctx.activation)
         else:
             _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
-        for t in saved:  # the ops do not bump their versions themselves
-            torch.autograd.graph.increment_version(t)
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
         if ctx.packed:
@@ -164,12 +173,48 @@ class _GLUMLP(torch.autograd.Function):
         return (*(g if g is None or g.dtype == t else g.to(t) for g, t in zip(grads, ctx.dtypes)), None)
 
 
+def _check_mlp(x, wg, wu, wd, bg, bu, bd, activation):
+    """glu_mlp's arguments, checked before any matmul: a RuntimeError naming
+    the argument, what was given and what is expected."""
+    def fail(what):
+        raise RuntimeError(f"fusedops.glu_mlp: {what}")
+
+    if activation not in ("silu", "gelu_tanh"):
+        fail(f"activation is {activation!r}, expected 'silu' or 'gelu_tanh'")
+    if x.dim() < 1:
+        fail(f"x has shape {list(x.shape)}, expected at least one dimension")
+    h, f = x.shape[-1], wg.shape[0] if wg.dim() == 2 else None
+    want = {"gate_weight": (wg, f"[F, {h}] ({h}: the last dimension of x)"),
+            "up_weight": (wu, "the shape of gate_weight"),
+            "down_weight": (wd, f"[H, {f}] ({f}: the rows of gate_weight)"),
+            "gate_bias": (bg, f"[{f}]"), "up_bias": (bu, f"[{f}]"),
+            "down_bias": (bd, "[H] (H: the rows of down_weight)")}
+    shape_ok = {"gate_weight": wg.dim() == 2 and wg.shape[1] == h,
+                "up_weight": wu.shape == wg.shape,
+                "down_weight": wd.dim() == 2 and wd.shape[1] == f,
+                "gate_bias": bg is None or tuple(bg.shape) == (f,),
+                "up_bias": bu is None or tuple(bu.shape) == (f,),
+                "down_bias": bd is None or (wd.dim() == 2 and tuple(bd.shape) == (wd.shape[0],))}
+    autocast = autocast_dtype(x.device.type) is not None
+    for name, (t, expected) in want.items():
+        if t is None:
+            continue
+        if t.device != x.device:
+            fail(f"{name} is on {t.device} but x is on {x.device}; all tensors must be on one device")
+        if not shape_ok[name]:
+            fail(f"{name} has shape {list(t.shape)}, expected {expected}")
+        if t.dtype != x.dtype and not autocast:
+            fail(f"{name} has dtype {str(t.dtype)[6:]}, expected the dtype of x ({str(x.dtype)[6:]}), "
+                 "or a call under torch.autocast")
+
+
 def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None,
             activation="silu"):
     """The Llama-family MLP, down_proj(act(gate_proj(x)) * up_proj(x)), with
     torch.nn.functional.linear's weight layout ([out, in]). Keeps x and the two
     projections for the backward, not the activation; activation "silu"
     (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
     return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
                          activation)
 
@@ -220,14 +265,16 @@ def flash_attention(q, k, v, causal=False, scale=None, deterministic=False):
     strides (unit stride along head_dim; transposed (B, H, S, D) views need no
     copy). causal: torch SDPA's is_causal, the top-left mask tril(ones(Sq, Sk)).
     scale defaults to 1/sqrt(head_dim). deterministic: bitwise-repeatable
-    gradients. Raises where the kernels do not apply (never falls back)."""
+    gradients (also on whenever torch.use_deterministic_algorithms(True) is).
+    Raises where the kernels do not apply (never falls back)."""
     if q.device.type == "cuda":
         gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
         if gap is not None:
             raise RuntimeError(f"fusedops.flash_attention: not supported: {gap}")
     if scale is None:
         scale = _default_scale(q)
-    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), bool(deterministic))
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), deterministic)
     return out
 
 
@@ -265,7 +312,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     results, on (..., heads, seq, head_dim) tensors. Calls fusedops' kernels
     where they apply (on the CPU: float32, float16 and bfloat16, any head dim;
     no mask, no dropout) and torch's function otherwise, with a warning the
-    first time for each reason."""
+    first time for each reason. The backward is bitwise repeatable under
+    torch.use_deterministic_algorithms(True)."""
     q, k, v = query, key, value
     gap = _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa)
     if gap is not None:
@@ -284,6 +332,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return t.reshape(-1, *t.shape[-3:]).transpose(1, 2)
     if scale is None:
         scale = _default_scale(q)
-    out, _ = _ops.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal), False)
+    out, _ = _ops.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal),
+                           torch.are_deterministic_algorithms_enabled())
     out = out.transpose(1, 2)  # (B, H, S, D), a view
     return out.reshape(*lead, *out.shape[1:])

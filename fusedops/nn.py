@@ -16,8 +16,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def kernel_dtype(x):
     """Whether the kernels take x (its autocast dtype, under autocast)."""
-    dev = x.device.type
-    return (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype) in _KERNEL_DTYPES
+    return (F.autocast_dtype(x.device.type) or x.dtype) in _KERNEL_DTYPES
 
 
 def glu_mlp_of(module, x, activation):

@@ -22,7 +22,8 @@ on the device: schedulers that write into it work under CUDA graphs);
 GradScaler passes grad_scale / found_inf (the kernel unscales the grads it reads
 and skips the whole step, step counts included, when an inf/nan was found);
 complex64 parameters are updated as their real view (torch's math); DTensor
-parameters (FSDP2 shards) are updated through their local shards.
+parameters (FSDP2 shards) are updated through their local shards; a parameter
+that is a view with gaps is updated through a contiguous copy, written back.
 Differences: every step is CUDA-graph safe (capturable is accepted and kept in
 the param groups for torch's sake); foreach and fused are accepted and ignored;
 grads are never written (torch's fused kernels store the unscaled grads back
@@ -173,8 +174,12 @@ class FusedAdam(Optimizer):
     # ------------------------------------------------------------------ step
     def _buckets(self, group):
         """The params of a group that have grads, as kernel lists per (device,
-        dtype, master weights)."""
-        buckets = {}
+        dtype, master weights), and (param, dense copy) pairs to write back
+        after the step: the kernel walks a param as one array, so a param that
+        is not dense (a view with gaps, as torch.optim takes) is updated in a
+        contiguous copy, and its states are contiguous (zeros_like makes them
+        so)."""
+        buckets, write_back = {}, []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -186,6 +191,9 @@ class FusedAdam(Optimizer):
                 raise RuntimeError(f"{self._name}: parameter {i} of its group has dtype {p.dtype}; "
                                    "the fused kernel takes float32, float16, bfloat16 and complex64")
             state = self._prepare_state(p, group)
+            if not (local.is_contiguous() or torch.empty_like(local).stride() == local.stride()):
+                write_back.append((local, local.contiguous()))
+                local = write_back[-1][1]
             grad = _local(p.grad)
             if grad.dtype != local.dtype or grad.stride() != local.stride():
                 grad = torch.empty_like(local).copy_(grad)  # the param's dtype and layout
@@ -202,7 +210,7 @@ class FusedAdam(Optimizer):
             if master:
                 b["master_params"].append(_local(state["master_param"]))
             b["steps"].append(state["step"])
-        return buckets
+        return buckets, write_back
 
     @staticmethod
     def _on(t, device):
@@ -230,7 +238,8 @@ class FusedAdam(Optimizer):
             lr = group["lr"]
             lr_tensor = lr if isinstance(lr, torch.Tensor) else None
             beta1, beta2 = (float(b) for b in group["betas"])
-            for (device, _, _), b in self._buckets(group).items():
+            buckets, write_back = self._buckets(group)
+            for (device, _, _), b in buckets.items():
                 torch.ops.fusedops.adam_step(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["max_exp_avg_sqs"],
                     b["master_params"], b["steps"], 0.0 if lr_tensor is not None else float(lr),
@@ -238,6 +247,8 @@ class FusedAdam(Optimizer):
                     bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]),
                     bool(group["maximize"]), self._on(lr_tensor, device),
                     self._on(grad_scale, device), self._on(found_inf, device))
+            for param, dense in write_back:
+                param.copy_(dense)
         return loss
 
 

@@ -92,10 +92,34 @@ def bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def raises_unchanged(fn, args, match):
-    """fn(**args) raises a RuntimeError matching `match` and modifies no argument."""
-    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(RuntimeError, match=match):
+def tensors_of(args):
+    """(name, tensor) for the tensors of a dict of arguments: tensors, tensors in
+    lists, the parameters of modules (meta and sparse tensors, which hold no
+    values to compare, left out)."""
+    for k, v in args.items():
+        if isinstance(v, torch.nn.Module):
+            items = [(f"{k}.{n}", p) for n, p in v.named_parameters()]
+        elif isinstance(v, (list, tuple)):
+            items = [(f"{k}[{i}]", t) for i, t in enumerate(v)]
+        else:
+            items = [(k, v)]
+        yield from ((n, t) for n, t in items if isinstance(t, torch.Tensor)
+                    and t.layout == torch.strided and t.device.type != "meta")
+
+
+def snapshot(args):
+    return {n: bits(t.detach()).clone() for n, t in tensors_of(args)}
+
+
+def assert_unchanged(args, before, what=""):
+    """Every tensor of `args` bitwise as in `before` (snapshot(args))."""
+    for n, t in tensors_of(args):
+        assert torch.equal(bits(t.detach()), before[n]), f"{what}{n} was modified"
+
+
+def raises_unchanged(fn, args, match, exc=RuntimeError):
+    """fn(**args) raises `exc` matching `match` and modifies no argument."""
+    before = snapshot(args)
+    with pytest.raises(exc, match=match):
         fn(**args)
-    for k, v in before.items():
-        assert torch.equal(bits(args[k]), bits(v)), f"{k} was modified"
+    assert_unchanged(args, before)

@@ -216,13 +216,16 @@ FO_CLONES static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, in
     }
     gemm_tile(mq, Dp, nk, w->s, BK, 1, w->v, Dp, w->o, Dp, 1);
   }
+  /* l = 0: no key seen (out 0, lse -inf). A NaN l (a NaN or an inf - inf among
+   * the scores) stays NaN in out and lse, as in eager softmax, so that the
+   * backward's P = exp(s - lse) is NaN too. */
   for (int64_t r = 0; r < nq; ++r) {
-    const float l = w->l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float l = w->l[r], inv = l != 0.0f ? 1.0f / l : 0.0f;
     float *o = w->o + r * Dp;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     fo_store_row(t, (char *)p->out + q_off(&p->out_st, b, i0 + r, h) * fo_dtype_size(t), o, D);
     p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] =
-        l > 0.0f ? (w->m[r] + log2f(l)) / LOG2E : -INFINITY;
+        l != 0.0f ? (w->m[r] + log2f(l)) / LOG2E : -INFINITY;
   }
 }
 

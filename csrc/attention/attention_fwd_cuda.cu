@@ -173,12 +173,14 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int64_t row = i0 + row_l[mt][r];
       if (row >= p.Sq) continue;
-      const float inv = lr > 0.f ? 1.f / lr : 0.f;
+      // lr = 0: no key seen (out 0, lse -inf); a NaN lr stays NaN in out and
+      // lse, as in eager softmax (attention_cpu.c).
+      const float inv = lr != 0.f ? 1.f / lr : 0.f;
       T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row * p.out_st.seq;
       store_row<D>(out, o[mt], r, inv);
       if (tig == 0)
         p.lse[b * p.lse_st.batch + h * p.lse_st.head + row * p.lse_st.seq] =
-            lr > 0.f ? (m[mt][r] + __log2f(lr)) * kLn2 : -INFINITY;
+            lr != 0.f ? (m[mt][r] + __log2f(lr)) * kLn2 : -INFINITY;
     }
 }
 

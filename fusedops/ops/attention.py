@@ -11,17 +11,21 @@ output for the backward only: it takes no gradient.
 """
 import torch
 
+from ._common import check_one_device, no_double_backward
+
 _ops = torch.ops.fusedops
 
 
 @torch.library.register_fake("fusedops::attn_fwd")
 def _attn_fwd_fake(q, k, v, scale, causal, deterministic=False):
+    check_one_device("attn_fwd", q=q, k=k, v=v)
     B, Sq, Hq, D = q.shape
     return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedops::attn_bwd")
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, deterministic):
+    check_one_device("attn_bwd", q=q, k=k, v=v, dout=dout, out=out, lse=lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -41,3 +45,4 @@ def _backward(ctx, dout, dlse):
 
 
 torch.library.register_autograd("fusedops::attn_fwd", _backward, setup_context=_setup_context)
+no_double_backward("attn_bwd")

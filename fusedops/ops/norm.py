@@ -12,6 +12,8 @@ its place. mean is empty for RMSNorm; dweight/dbias are empty when not asked for
 """
 import torch
 
+from ._common import check_one_device, no_double_backward
+
 _ops = torch.ops.fusedops
 
 
@@ -28,6 +30,7 @@ def stores_s(x, residual, residual_in_fp32):
 
 @torch.library.register_fake("fusedops::add_norm_fwd")
 def _add_norm_fwd_fake(x, residual, weight, bias, eps, rms, residual_in_fp32):
+    check_one_device("add_norm_fwd", x=x, residual=residual, weight=weight, bias=bias)
     rows = _rows(x)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if stores_s(x, residual, residual_in_fp32):
@@ -41,6 +44,8 @@ def _add_norm_fwd_fake(x, residual, weight, bias, eps, rms, residual_in_fp32):
 
 @torch.library.register_fake("fusedops::add_norm_bwd")
 def _add_norm_bwd_fake(dy, ds, s, weight, bias, mean, rstd, rms, need_dweight, need_dbias):
+    check_one_device("add_norm_bwd", s=s, dy=dy, ds=ds, weight=weight, bias=bias, mean=mean,
+                     rstd=rstd)
     dx = s.new_empty(s.shape)
     param = weight if weight is not None else bias
     cols = s.shape[-1]
@@ -93,3 +98,4 @@ def _backward(ctx, dy, ds, dmean, drstd):
 
 torch.library.register_autograd(
     "fusedops::add_norm_fwd", _backward, setup_context=_setup_context)
+no_double_backward("add_norm_bwd")

@@ -12,6 +12,8 @@ The forward saves only its inputs (which the caller keeps anyway); the
 backward recomputes the activation from them."""
 import torch
 
+from ._common import check_one_device, no_double_backward, register_mutating
+
 _ops = torch.ops.fusedops
 
 
@@ -21,22 +23,26 @@ def _half_shape(gate_up):
 
 @torch.library.register_fake("fusedops::glu_fwd")
 def _glu_fwd_fake(gate, up, activation):
+    check_one_device("glu_fwd", gate=gate, up=up)
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("fusedops::glu_bwd")
 def _glu_bwd_fake(dout, gate, up, activation):
+    check_one_device("glu_bwd", gate=gate, up=up, dout=dout)
     return (torch.empty_like(gate, memory_format=torch.contiguous_format),
             torch.empty_like(gate, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake("fusedops::glu_bwd_")
 def _glu_bwd_inplace_fake(dout, gate, up, activation):
+    check_one_device("glu_bwd_", gate=gate, up=up, dout=dout)
     return None
 
 
 @torch.library.register_fake("fusedops::glu_packed_bwd_")
 def _glu_packed_bwd_inplace_fake(dout, gate_up, activation):
+    check_one_device("glu_packed_bwd_", gate_up=gate_up, dout=dout)
     return None
 
 
@@ -47,6 +53,7 @@ def _glu_packed_fwd_fake(gate_up, activation):
 
 @torch.library.register_fake("fusedops::glu_packed_bwd")
 def _glu_packed_bwd_fake(dout, gate_up, activation):
+    check_one_device("glu_packed_bwd", gate_up=gate_up, dout=dout)
     return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
 
 
@@ -70,3 +77,7 @@ def _glu_packed_backward(ctx, dout):
 torch.library.register_autograd("fusedops::glu_fwd", _glu_backward, setup_context=_save_inputs)
 torch.library.register_autograd(
     "fusedops::glu_packed_fwd", _glu_packed_backward, setup_context=_save_inputs)
+for _op in ("glu_bwd", "glu_packed_bwd"):
+    no_double_backward(_op)
+for _op in ("glu_bwd_", "glu_packed_bwd_"):
+    register_mutating(_op)

@@ -1,0 +1,100 @@
+"""What the registrations of several ops share.
+
+- check_one_device: the fake kernels' device check. A meta tensor among real
+  ones sends the whole call to the fake kernel (Meta outranks CPU and CUDA),
+  which would otherwise return uninitialised memory of the real tensors' device.
+- no_double_backward: an autograd formula for a backward op that refuses to be
+  differentiated (without it, torch's fallback returns zero second-order
+  gradients with only a warning).
+- register_mutating: the Autograd and ADInplaceOrView kernels of an op that
+  writes its inputs (glu_bwd_, glu_packed_bwd_, adam_step). The op bumps the
+  version counter of every tensor it writes, as torch's in-place ops do, so that
+  autograd refuses a backward through a graph that saved one of them; and it
+  refuses, under grad mode, to write a tensor that requires grad (as torch
+  refuses an in-place op on a leaf that requires grad), since the op has no
+  gradient formula.
+"""
+import torch
+
+_lib = torch.library.Library("fusedops", "IMPL")
+
+
+def _flat(name, value):
+    """(name, tensor) pairs of an argument: a tensor, a list of tensors, or None."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (list, tuple)):
+        for i, t in enumerate(value):
+            if isinstance(t, torch.Tensor):
+                yield f"{name}[{i}]", t
+
+
+def check_one_device(op, **args):
+    """RuntimeError unless every tensor of `args` (tensors, lists of tensors,
+    None) is on one device; the message is the C++ shims' (csrc/common/shim.h)."""
+    first = None
+    for name, value in args.items():
+        for n, t in _flat(name, value):
+            if first is None:
+                first = (n, t.device)
+            elif t.device != first[1]:
+                raise RuntimeError(f"fusedops.{op}: {n} is on {t.device} but {first[0]} is on "
+                                   f"{first[1]}; all tensors must be on one device")
+
+
+def no_double_backward(op):
+    """Make a backward op (fusedops::<op>) raise when a gradient is taken
+    through it: gradients of gradients are not implemented."""
+    def backward(ctx, *grads):
+        raise RuntimeError(f"fusedops.{op}: a gradient of this backward op was asked for (double "
+                           "backward, e.g. torch.autograd.grad(..., create_graph=True) followed "
+                           "by a second backward); fusedops ops are differentiable once only")
+
+    torch.library.register_autograd(f"fusedops::{op}", backward,
+                                    setup_context=lambda ctx, inputs, output: None)
+
+
+def register_mutating(op):
+    """Autograd and ADInplaceOrView kernels for fusedops::<op>, an op that
+    writes the arguments its schema marks (a!)."""
+    overload = getattr(torch.ops.fusedops, op).default
+    schema = overload._schema
+    written = [(i, a.name) for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+
+    def tensors_written(args, kwargs):
+        for i, name in written:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            yield from _flat(name, value)
+
+    def values_written(args, kwargs):  # the tensors alone, with little Python per tensor
+        out = []
+        for i, name in written:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif value:
+                out.extend(value)
+        return out
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():  # (an optimizer step runs under no_grad: nothing to check)
+            for name, t in tensors_written(args, kwargs):
+                if t.requires_grad:
+                    raise RuntimeError(
+                        f"fusedops.{op}: {name} requires grad and would be written in place, "
+                        "expected no tensor that requires grad among the written arguments "
+                        "(the op has no gradient: call it under torch.no_grad(), as an optimizer "
+                        "step does)")
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    def inplace_kernel(keyset, *args, **kwargs):
+        # one call for all (inference tensors, which have no version, are skipped by torch)
+        torch.autograd.graph.increment_version(values_written(args, kwargs))
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return overload.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
+                                       **kwargs)
+
+    _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
+    _lib.impl(op, inplace_kernel, "ADInplaceOrView", with_keyset=True)

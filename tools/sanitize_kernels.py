@@ -1,0 +1,128 @@
+"""Every CUDA kernel of fusedops, forward and backward, once or a few times at
+small odd shapes: the program tools/sanitize.sh runs under compute-sanitizer
+(memcheck, racecheck, initcheck). Each case is one call of the tests' own
+helpers (tests/test_<op>.py); the shapes are chosen so that every kernel and
+every variant of it runs (register and loop kernels of the norms, each vector
+width of the GLU kernel, every head dim of attention with and without the
+causal mask, the atomic and the deterministic dQ, each Adam dtype pairing on
+the vector and the scalar path). Prints one line per op and a summary.
+    python tools/sanitize_kernels.py        (needs a CUDA GPU; ~2 s without the sanitizer)"""
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import fusedops  # noqa: E402,F401
+import test_adam  # noqa: E402
+import test_attention  # noqa: E402
+import test_norm  # noqa: E402
+import test_swiglu  # noqa: E402
+from conftest import randn  # noqa: E402
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DEV = os.environ.get("SANITIZE_DEVICE", "cuda")  # "cpu": a dry run of the driver itself
+ops = torch.ops.fusedops
+
+
+def norm_cases():
+    """(case, layouts): register kernels (aligned widths), loop kernels (odd or
+    misaligned widths: one element a step; rows wider than the registers take:
+    16-byte steps), dweight / dbias partials and their column sums."""
+    ln, rms = test_norm.ln, test_norm.rms
+    return [(ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
+            (ln((3, 5, 64), F32), []),
+            (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
+            (ln((5, 20000), BF16), []),  # wider than the register kernels take
+            (rms((37, 1000), BF16, residual="none_fp32"), []),
+            (rms((3, 7), F16, residual="fp32"), []),
+            (rms((4, 6, 1000), BF16), [("x", "slice_misaligned"), ("gy", "rowstep")]),
+            (ln((24, 1000), BF16, weight=False), [("x", "rowstep"), ("residual", "expand")])]
+
+
+def run_norm():
+    n = 0
+    for c, layouts in norm_cases():
+        inp = test_norm.make_inputs(c, DEV)
+        for arg, kind in layouts:
+            inp[arg] = test_norm.relayout(inp[arg], kind)[1]
+        test_norm.forward_backward(c, inp)
+        n += 1
+    return n
+
+
+def run_glu():
+    """Each vector width (16 bytes, 2 elements, 1), both activations, separate
+    and packed, the in-place backward ops, rows read through two levels of
+    strides."""
+    n = 0
+    for dtype, f in [(BF16, 1000), (BF16, 998), (F16, 7), (F32, 1000), (F32, 999)]:
+        for act in ("silu", "gelu_tanh"):
+            g, u, d = (randn((2, 3, 2, f), dtype, DEV) for _ in range(3))
+            test_swiglu.run(test_swiglu.FUSED[act, False], [g, u], d)
+            gu = randn((2, 3, 2, 2 * f), dtype, DEV)
+            test_swiglu.run(test_swiglu.FUSED[act, True], [gu], d)
+            strided = test_swiglu._strided("slice_seq", (2, 3, 2, f), dtype, DEV)
+            test_swiglu.run(test_swiglu.FUSED[act, False], [strided, u], d)
+            ops.glu_bwd_(d.clone(), g.clone(), u.clone(), act)
+            ops.glu_packed_bwd_(d.clone(), gu.clone(), act)
+            n += 5
+    return n
+
+
+def run_attention():
+    """Every head dim, causal and not, Sq and Sk odd both ways, GQA, both dQ
+    paths (fp32 atomics at head dims up to 64 unless deterministic)."""
+    n = 0
+    base = test_attention.Case(B=2, Sq=77, Sk=130, Hq=4, Hkv=2)
+    for d in (32, 64, 96, 128):
+        for causal in (False, True):
+            for dtype, sq, sk in ((BF16, 77, 130), (F16, 130, 77)):
+                for det in ((False, True) if d <= 64 else (False,)):
+                    c = replace(base, D=d, causal=causal, dtype=dtype, Sq=sq, Sk=sk,
+                                layout="bhsd" if det else "bshd")
+                    q, k, v, dout = test_attention.make_inputs(c, DEV)
+                    test_attention.run("fused", c, q, k, v, dout, deterministic=det)
+                    n += 1
+    return n
+
+
+def run_adam():
+    """Each param / state dtype pairing, amsgrad, tensor lr and grad scale,
+    found_inf set and not, ragged ends (the scalar path) and more tensors than
+    one launch's table holds."""
+    n = 0
+    shapes = ((4097,), (3,), (64, 33), (2049,))
+    for dtype, state in [(F32, "param"), (BF16, "param"), (BF16, "fp32"), (F16, "master"), (BF16, "master")]:
+        for kw in (dict(), dict(amsgrad=True, grad_scale=True, lr_tensor=True, decoupled=False)):
+            c = test_adam.Case(dtype, state, shapes=shapes, **kw)
+            inp = test_adam.op_inputs(c, DEV)
+            test_adam.run_op(c, inp)
+            test_adam.run_op(c, inp, found_inf=torch.ones((), device=DEV))
+            n += 2
+    # Misaligned tensors (views one element in: the scalar path), and 60 tensors (two launches).
+    c = test_adam.Case(F32, shapes=tuple((1 + 97 * i,) for i in range(60)))
+    inp = test_adam.op_inputs(c, DEV)
+    for k in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+        inp[k] = [torch.cat([t.new_zeros(1), t])[1:] for t in inp[k]]
+    test_adam.run_op(c, inp)
+    return n + 1
+
+
+def main():
+    assert DEV == "cpu" or torch.cuda.is_available(), "sanitize_kernels: needs a CUDA GPU"
+    torch.manual_seed(0)
+    counts = {}
+    for name, fn in (("norm", run_norm), ("glu", run_glu), ("attention", run_attention), ("adam", run_adam)):
+        counts[name] = fn()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        print(f"sanitize_kernels: {name}: {counts[name]} calls, forward and backward", flush=True)
+    print(f"sanitize_kernels: done, {sum(counts.values())} calls "
+          f"({', '.join(f'{k} {v}' for k, v in counts.items())})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
