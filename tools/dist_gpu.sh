@@ -8,9 +8,10 @@
 #   2 GPUs, FSDP2 resumed    ... --dist fsdp --resume <that checkpoint> (fusedops run)
 #   2 GPUs, FSDP2, batch 16  ... --dist fsdp --batch 16 (weak scaling, WEAK_STEPS steps)
 # and prints a table last: tokens/s, peak memory, the loss curves' largest
-# difference from the 1-GPU run of the same kind (PASS within BF16_ATOL), the
+# difference from the 1-GPU run of the same kind at the end (the mean of the
+# last tenth of the steps; PASS within BF16_ATOL) and step by step, the
 # resumed curve's from the uninterrupted one, fusedops / pytorch tokens/s.
-#   tools/dist_gpu.sh            # STEPS=200 WEAK_STEPS=60 BF16_ATOL=0.05 by default
+#   tools/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.05 by default
 #   DRY=1 tools/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
 # Summaries go to $OUT/dist (the device tool's folder) or ./gpu-out/dist;
 # checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 OUT=${OUT:-$PWD/gpu-out}; export OUT
-STEPS=${STEPS:-200} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.05}
+STEPS=${STEPS:-400} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.05}
 WORK=${DIST_WORK:-/tmp/fusedops-dist}; rm -rf "$WORK"; mkdir -p "$WORK" "$OUT/dist"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 where=()
@@ -57,7 +58,10 @@ def load(name):
     return {r["run"]: r for r in json.loads(p.read_text())["runs"]} if p.exists() else {}
 single, ok = load("single"), True
 print(f"\n{'setup':8s} {'GPUs':>4s} {'batch':>9s} {'run':9s} {'k tok/s':>8s} {'x 1 GPU':>8s} "
-      f"{'peak GiB':>8s} {'max|dloss| vs 1 GPU':>19s}")
+      f"{'peak GiB':>8s} {'end loss':>8s} {'dend vs 1 GPU':>14s} {'max|dloss|':>10s}")
+def tail(losses):  # the mean loss over the last tenth of the steps
+    n = max(1, len(losses) // 10)
+    return sum(losses[-n:]) / n
 def config(name):
     p = out / name / "summary.json"
     c = json.loads(p.read_text())["config"] if p.exists() else {}
@@ -67,14 +71,15 @@ for name, label, gpus in (("single", "1 GPU", 1), ("ddp", "DDP", 2), ("fsdp", "F
     for run, r in load(name).items():
         base = single.get(run)
         scale = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and name != "single" else ""
-        d = ""
+        d = m = ""
         if base and name in ("ddp", "fsdp"):
-            diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
-            d = f"{diff:.2e} {'PASS' if diff <= atol else 'FAIL'}"
-            ok &= diff <= atol
+            end = abs(tail(r["losses"]) - tail(base["losses"]))
+            d = f"{end:.3f} {'PASS' if end <= atol else 'FAIL'}"
+            m = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.2f}"
+            ok &= end <= atol
         mem = f"{r['peak_memory_GiB']:.2f}" if r["peak_memory_GiB"] is not None else "-"
         print(f"{label:8s} {gpus:4d} {batch:>9s} {run:9s} {r['tokens_per_s'] / 1e3:8.1f} {scale:>8s} "
-              f"{mem:>8s} {d:>19s}")
+              f"{mem:>8s} {tail(r['losses']):8.3f} {d:>14s} {m:>10s}")
 for name, label in (("single", "1 GPU"), ("ddp", "DDP"), ("fsdp", "FSDP2"), ("weak", "FSDP2 batch 16")):
     rs = load(name)
     if {"pytorch", "fusedops"} <= set(rs):
@@ -88,7 +93,13 @@ if full and resumed:
     ok &= diff <= atol
 else:
     print("FSDP2 resume: missing summaries"); ok = False
-print(f"loss tolerance (bf16): max|dloss| <= {atol}; {'all PASS' if ok else 'FAILURES above'}")
+rs = load("single")
+if {"pytorch", "fusedops"} <= set(rs):
+    print(f"1 GPU, fusedops against pytorch: end loss {abs(tail(rs['fusedops']['losses']) - tail(rs['pytorch']['losses'])):.3f}, "
+          f"max|dloss| {max(abs(a - b) for a, b in zip(rs['fusedops']['losses'], rs['pytorch']['losses'])):.2f}")
+print(f"loss tolerance (bf16): end loss (mean of the last tenth of the steps) within {atol} of the 1-GPU run's; "
+      f"{'all PASS' if ok else 'FAILURES above'}. max|dloss|, step by step, is reported, not judged: when the "
+      "model leaves the loss plateau (~7.5) is chaotic, and plain PyTorch on 1 and 2 GPUs differs there by more than 3")
 sys.exit(0 if ok else 1)
 EOF
 echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all"
