@@ -507,6 +507,24 @@ def test_bad_input_bwd_cuda(dtype, D, match):
 
 
 @requires_cuda
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
+def test_bad_input_too_many_heads_cuda(which):
+    """Batch x heads past the CUDA grid's 65535 rows is refused by name, not as a
+    launch error."""
+    q = randn((1, 3, 65536, 32), torch.bfloat16, "cuda")
+    kv = randn((1, 3, 1, 32), torch.bfloat16, "cuda")
+    match = r"q has batch x heads = 1 x 65536 = 65536, expected at most 65535 on CUDA"
+    if which == "fwd":
+        raises_unchanged(ops.attn_fwd, fwd_args("cuda", q=q, k=kv, v=kv.clone()), match)
+    else:
+        out = torch.zeros_like(q)
+        lse = torch.zeros(1, 65536, 3, device="cuda")
+        b = dict(dout=torch.randn_like(out), q=q, k=kv, v=kv.clone(), out=out, lse=lse,
+                 scale=0.25, causal=False, deterministic=False)
+        raises_unchanged(ops.attn_bwd, b, BWD + match)
+
+
+@requires_cuda
 def test_bad_input_mixed_devices():
     args = fwd_args("cpu")
     args["k"] = args["k"].cuda()

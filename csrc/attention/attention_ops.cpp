@@ -39,6 +39,9 @@ void check_cuda_fwd(const char *op, const Tensor &q) {
   const int64_t d = q.size(3);
   STD_TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, op, ": q has head_dim ", d,
                   ", expected 32, 64, 96 or 128 on CUDA");
+  // One grid row per (batch, head): the CUDA grid's y extent.
+  STD_TORCH_CHECK(q.size(0) * q.size(2) <= 65535, op, ": q has batch x heads = ", q.size(0), " x ",
+                  q.size(2), " = ", q.size(0) * q.size(2), ", expected at most 65535 on CUDA");
 }
 #endif
 
