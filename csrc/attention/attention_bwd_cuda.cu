@@ -486,22 +486,6 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   return fo::last_error();
 }
 
-template <int D, class T>
-const char *launch_causal(const fo_attn_params &p, cudaStream_t stream) {
-  return p.causal ? launch<D, true, T>(p, stream) : launch<D, false, T>(p, stream);
-}
-
-template <class T>
-const char *launch_dim(const fo_attn_params &p, cudaStream_t stream) {
-  switch (p.D) {
-    case 32: return launch_causal<32, T>(p, stream);
-    case 64: return launch_causal<64, T>(p, stream);
-    case 96: return launch_causal<96, T>(p, stream);
-    case 128: return launch_causal<128, T>(p, stream);
-    default: return "fo_attn_bwd_cuda: head dim not built (32, 64, 96 and 128 are)";
-  }
-}
-
 }  // namespace
 
 extern "C" const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream) {
@@ -509,9 +493,7 @@ extern "C" const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream) {
   if (p->B * p->Hq > 65535) return "fo_attn_bwd_cuda: batch x heads above 65535";
   if (p->workspace == nullptr) return "fo_attn_bwd_cuda: no workspace";
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (p->dtype) {
-    case FO_BF16: return launch_dim<__nv_bfloat16>(*p, s);
-    case FO_F16: return launch_dim<__half>(*p, s);
-    default: return "fo_attn_bwd_cuda: dtype not built (float16 and bfloat16 are)";
-  }
+  return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) {
+    return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
+  });
 }

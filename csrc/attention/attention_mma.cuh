@@ -18,6 +18,8 @@
 
 #include <type_traits>
 
+#include "attention.h"
+
 namespace fo_attn {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -236,6 +238,32 @@ __device__ __forceinline__ void store_row(T *dst, const float (&acc)[D / 8][4], 
   for (int t = 0; t < D / 8; ++t)
     *reinterpret_cast<uint32_t *>(dst + t * 8 + tig * 2) =
         pack2<T>(acc[t][2 * r] * mul, acc[t][2 * r + 1] * mul);
+}
+
+// ---------------------------------------------------------------- host dispatch
+
+// Calls f(std::integral_constant<int, D>{}, std::bool_constant<causal>{}, (T *)nullptr)
+// for p's head dim, causal flag and dtype, the combinations the kernels are
+// built for; an error message for any other.
+template <class F>
+const char *dispatch(const fo_attn_params &p, F &&f) {
+  auto causal = [&](auto d, auto t) -> const char * {
+    return p.causal ? f(d, std::true_type{}, t) : f(d, std::false_type{}, t);
+  };
+  auto dim = [&](auto t) -> const char * {
+    switch (p.D) {
+      case 32: return causal(std::integral_constant<int, 32>{}, t);
+      case 64: return causal(std::integral_constant<int, 64>{}, t);
+      case 96: return causal(std::integral_constant<int, 96>{}, t);
+      case 128: return causal(std::integral_constant<int, 128>{}, t);
+      default: return "fo_attn_cuda: head dim not built (32, 64, 96 and 128 are)";
+    }
+  };
+  switch (p.dtype) {
+    case FO_BF16: return dim(static_cast<__nv_bfloat16 *>(nullptr));
+    case FO_F16: return dim(static_cast<__half *>(nullptr));
+    default: return "fo_attn_cuda: dtype not built (float16 and bfloat16 are)";
+  }
 }
 
 }  // namespace fo_attn

@@ -45,6 +45,16 @@ void check_cuda_fwd(const char *op, const Tensor &q) {
 }
 #endif
 
+// An operand as the kernels of its device read it: unit-stride last dimension,
+// and on CUDA the alignment cuda_readable asks for.
+Tensor kernel_readable(const Tensor &t) {
+  Tensor r = unit_last(t);
+#ifdef FUSEDOPS_WITH_CUDA
+  if (r.is_cuda()) r = cuda_readable(r);
+#endif
+  return r;
+}
+
 void check_4d(const char *op, const char *arg, const Tensor &t) {
   STD_TORCH_CHECK(t.dim() == 4, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected 4 dimensions [batch, seq, heads, head_dim]");
@@ -113,16 +123,9 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
     torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
     return {out, lse};
   }
-  q = unit_last(q);
-  k = unit_last(k);
-  v = unit_last(v);
-#ifdef FUSEDOPS_WITH_CUDA
-  if (q.is_cuda()) {
-    q = cuda_readable(q);
-    k = cuda_readable(k);
-    v = cuda_readable(v);
-  }
-#endif
+  q = kernel_readable(q);
+  k = kernel_readable(k);
+  v = kernel_readable(v);
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.out = out.data_ptr();
@@ -179,20 +182,11 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
     torch::stable::zero_(dq);
     return {dq, dk, dv};
   }
-  q = unit_last(q);
-  k = unit_last(k);
-  v = unit_last(v);
-  dout = unit_last(dout);
-  out = unit_last(out);
-#ifdef FUSEDOPS_WITH_CUDA
-  if (q.is_cuda()) {
-    q = cuda_readable(q);
-    k = cuda_readable(k);
-    v = cuda_readable(v);
-    dout = cuda_readable(dout);
-    out = cuda_readable(out);
-  }
-#endif
+  q = kernel_readable(q);
+  k = kernel_readable(k);
+  v = kernel_readable(v);
+  dout = kernel_readable(dout);
+  out = kernel_readable(out);
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.deterministic = deterministic;
