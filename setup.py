@@ -37,7 +37,12 @@ def want_cuda():
 
 
 WITH_CUDA = want_cuda()
-ARCHS = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0") if WITH_CUDA else ""
+# 9.0 is built as 9.0a: the wgmma attention kernels need the arch-specific
+# target, and every 9.0 GPU (H100, H200, GH200) runs its code.
+ARCHS = ";".join(re.sub(r"^9\.0(?!a)", "9.0a", a) for a in
+                 re.split(r"[;\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0").strip())) if WITH_CUDA else ""
+if WITH_CUDA:
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ARCHS
 DEFINES = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET}"] + (["-DFUSEDOPS_WITH_CUDA", "-DUSE_CUDA"] if WITH_CUDA else [])
 
 
@@ -75,6 +80,8 @@ def extension():
     if not WITH_CUDA:
         return cpp_extension.CppExtension("fusedops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
     nvcc = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", *DEFINES]
+    if "9.0a" in ARCHS:  # the sm_90a code is in the binary: a 9.0 GPU may take the wgmma kernels
+        nvcc.append("-DFUSEDOPS_SM90A")
     return cpp_extension.CUDAExtension("fusedops._C", sources + sorted(glob.glob("csrc/*/*_cuda.cu")),
                                        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
 

@@ -3,7 +3,8 @@ tensors (the layout fusedops and FlashAttention use; torch's SDPA gets the
 (B, H, S, D) transposed views, which its kernels read in place).
 
 Impls: fusedops.functional.flash_attention (and on CUDA fusedops_det, the same
-with deterministic=True), eager fusedops.reference.attention
+with deterministic=True, and fusedops_mma, the forward on the mma.sync kernel
+where the H100 would take the wgmma one), eager fusedops.reference.attention
 (the S x S matrix materialised), torch.compile of the latter (added by common);
 on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
 the CPU torch's SDPA as dispatched (its C++ flash kernel).
@@ -53,6 +54,20 @@ def _sdpa(backend):
     return fn
 
 
+def _mma_sync(q, k, v, causal):
+    """fusedops with the forward on its mma.sync kernel (what GPUs other than
+    the H100 / H200 run) where the wgmma kernel would take it."""
+    old = os.environ.get("FUSEDOPS_ATTN_WGMMA")
+    os.environ["FUSEDOPS_ATTN_WGMMA"] = "0"
+    try:
+        return functional.flash_attention(q, k, v, causal=causal)
+    finally:
+        if old is None:
+            del os.environ["FUSEDOPS_ATTN_WGMMA"]
+        else:
+            os.environ["FUSEDOPS_ATTN_WGMMA"] = old
+
+
 def _impls(device):
     impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal),
              "eager": lambda q, k, v, causal: reference.attention(q, k, v, causal)}
@@ -60,6 +75,7 @@ def _impls(device):
         # deterministic=True: the backward's dQ by its own kernel instead of atomics.
         impls["fusedops_det"] = lambda q, k, v, causal: functional.flash_attention(
             q, k, v, causal=causal, deterministic=True)
+        impls["fusedops_mma"] = _mma_sync
         from torch.nn.attention import SDPBackend
         impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
         impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)

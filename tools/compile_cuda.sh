@@ -3,6 +3,7 @@
 # without linking: the check CI runs on machines with nvcc but no GPU (and a
 # CPU-only torch, which cannot link a CUDA extension). Any compile error or
 # ptxas spill fails it. Usage: tools/compile_cuda.sh [archs, default "80 90"]
+# (90 is compiled as sm_90a, as setup.py does: the wgmma kernels need it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archs=${1:-"80 90"}
@@ -13,8 +14,10 @@ defs="-DTORCH_TARGET_VERSION=0x020B000000000000 -DFUSEDOPS_WITH_CUDA -DUSE_CUDA"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
+python tools/gen_wgmma.py --check || status=1
 for cu in csrc/*/*_cuda.cu; do
   for a in $archs; do
+    [ "$a" = 90 ] && a=90a
     log="$out/$(basename "$cu").$a.log"
     if ! "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$a,code=sm_$a" \
          -Xptxas -v $defs -c "$cu" -o "$out/$(basename "$cu").$a.o" >"$log" 2>&1; then

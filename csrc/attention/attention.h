@@ -63,6 +63,11 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
  * cudaStream_t); return NULL on success or a static message naming the error.
  * The backward adds dq with fp32 atomics where fo_attn_bwd_cuda_atomic_dq. */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
+/* The Hopper forward (attention_fwd_wgmma_cuda.cu), which fo_attn_fwd_cuda
+ * hands p to where fo_attn_fwd_wgmma_applies(p): head dim 64 or 128 on a 9.0
+ * GPU, in a build with sm_90a code, unless FUSEDOPS_ATTN_WGMMA=0. */
+int fo_attn_fwd_wgmma_applies(const fo_attn_params *p);
+const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 /* Whether the CUDA backward adds dq with fp32 atomics: only where that is
  * faster than its deterministic dq kernel (head dims up to 64; measured
  * equal at 128, docs/perf-notes.md) and determinism is not asked for. */

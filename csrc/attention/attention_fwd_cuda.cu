@@ -203,6 +203,7 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
 extern "C" const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream) {
   if (p->B * p->Hq == 0 || p->Sq == 0) return nullptr;
   if (p->B * p->Hq > 65535) return "fo_attn_fwd_cuda: batch x heads above 65535";
+  if (fo_attn_fwd_wgmma_applies(p)) return fo_attn_fwd_wgmma_cuda(p, stream);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) {
     return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);

@@ -1,0 +1,404 @@
+// Flash attention forward on Hopper (sm_90a): the algorithm of
+// attention_fwd_cuda.cu with warpgroup MMA (wgmma.mma_async) in place of
+// mma.sync. Math, layout and masking: attention.h.
+//
+// v0 (this file). One block of two warpgroups per (128-query tile, batch x q
+// head); each warpgroup owns 64 query rows. K and V tiles of kBlockN keys go
+// through shared memory in two stages (cp.async; tile j + 1 loads while tile
+// j is computed, one block barrier a tile). Both products read their B
+// operand straight from shared memory (descriptors over the 128-byte-swizzled
+// layout wgmma expects; no ldmatrix, no per-warp copies of K / V fragments):
+//   S = Q K_j^T   wgmma 64 x kBlockN x 16, A = Q from shared memory (K-major),
+//   O += P V_j    wgmma 64 x D x 16, A = P from registers (the S accumulators
+//                 rounded to the dtype: their layout is wgmma's A fragment),
+//                 B = V N-major (transposed by the descriptor).
+// Online softmax between them in fp32 registers, as in the mma.sync kernel.
+// Head dims 64 and 128 (a multiple of 64: the swizzle atom is 64 elements
+// wide), bf16 and fp16, causal (top-left) or not, any Sq / Sk, grouped-query,
+// the strides of attention_fwd_cuda.cu. Other head dims and other GPUs take
+// the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it (for comparison).
+//
+// Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
+// FUSEDOPS_SM90A); for other archs the kernel body is empty, and
+// fo_attn_fwd_wgmma_applies() takes it only on a 9.0 GPU in a build with 9.0a.
+#include <stdlib.h>
+
+#include "attention.h"
+#include "../common/cuda_utils.cuh"
+#include "attention_mma.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+using namespace fo_attn;
+
+constexpr int kGroups = 2;                // warpgroups per block
+constexpr int kThreads = kGroups * 128;
+constexpr int kBlockM = kGroups * 64;     // query rows per block
+template <int D>
+constexpr int kBlockN = 128;              // keys per tile
+template <int D>
+constexpr size_t kSmem = 1024 + static_cast<size_t>(kBlockM + 4 * kBlockN<D>) * D * 2 + 8 * 8;
+
+// ---------------------------------------------------------------- shared layout
+// A [kRows, D] tile as D / 64 column blocks of [kRows, 64]: 128-byte rows,
+// 16-byte chunk c of row r at chunk c ^ (r mod 8) (wgmma's 128-byte swizzle;
+// every block starts on a 1024-byte boundary). Element offset of chunk c
+// (0 .. D/8 - 1) of row r:
+template <int kRows>
+__device__ __forceinline__ int sw128(int r, int c) {
+  return (c >> 3) * kRows * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+}
+
+// Thread t copies chunk t % (D/8) of rows t / (D/8) + i * kStep: its
+// chunk, the row's swizzle (row mod 8 stays fixed) and so its shared offset
+// pattern are the same for every i, and the global address advances by a
+// fixed stride: a few instructions a copy.
+template <int D, int kRows, class T>
+__device__ __forceinline__ void load_tile_sw128(T *sm, const T *base, int64_t row_stride,
+                                                int valid_rows) {
+  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0, "tile shape");
+  const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  T *dst = sm + sw128<kRows>(r0, c);
+  const T *src = base + r0 * row_stride + c * 8;
+#pragma unroll
+  for (int i = 0; i < kRows / kStep; ++i) {
+    const bool ok = r0 + i * kStep < valid_rows;
+    cp_async16(dst + i * kStep * 64, ok ? src : base, ok);
+    src += kStep * row_stride;
+  }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor, 128-byte swizzle. lbo: byte distance
+// between 64-element column blocks where the operand spans several along its
+// contiguous dimension N (N-major B); sbo: between 8-row groups (1024).
+__device__ __forceinline__ uint64_t desc128(const void *p, uint32_t lbo) {
+  const uint64_t a = smem_addr(p);
+  return ((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most kPending of this warpgroup's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Ties the accumulators to the point where it stands, so that the compiler
+// neither reads them before wgmma_wait nor writes them after the issue.
+template <int NT>
+__device__ __forceinline__ void hold(float (&d)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[t][e]));
+}
+template <int NT>
+__device__ __forceinline__ void hold(uint32_t (&a)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[t][e]));
+}
+// mbarriers (8 bytes of shared memory each) track the tile stages.
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Arrives on bar once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t *bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits for the completion of bar's phase of parity `parity` (0 for its first).
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+#endif
+
+// ---------------------------------------------------------------- the kernel
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Online softmax over one key tile (keys j0.., k_rows of them valid) of a
+// warp's S accumulators, rows g and g + 8 (block-local row_l): scale, mask,
+// new running max m, p = exp2(s - m) in place, running sums l. alpha: the
+// factor the output accumulators of each row are to be multiplied by.
+template <int N, bool kCausal>
+__device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], const int (&row_l)[2], bool edge,
+                                             int k_rows, int off, float scale2) {
+  // scale2 > 0 (fo_attn_fwd_wgmma_applies): the row max is taken on the raw
+  // scores and the scale goes into exp2's argument, one FFMA an element.
+  const int tig = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (edge) {
+          const int kl = t * 8 + tig * 2 + e;
+          if (kl >= k_rows || (kCausal && kl + off > row_l[r])) s[t][2 * r + e] = -INFINITY;
+        }
+        mx = fmaxf(mx, s[t][2 * r + e]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx * scale2);
+    const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
+    alpha[r] = exp2_approx(m[r] - shift);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2_approx(fmaf(s[t][2 * r + e], scale2, -shift));
+        s[t][2 * r + e] = pe;
+        sum += pe;
+      }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+#endif
+
+template <int D, bool kCausal, class T>
+__global__ void __launch_bounds__(kThreads, 1) attn_fwd_wgmma_kernel(const fo_attn_params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int N = kBlockN<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T *sQ = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T *sK = sQ + kBlockM * D;  // two stages of [N, D]: K_j in stage j % 2
+  T *sV = sK + 2 * N * D;    // likewise for V_j
+  // Per stage: full (every thread's copies of the tile have landed: one
+  // cp.async arrival a thread) and empty (every warp is done reading it).
+  uint64_t *bars = reinterpret_cast<uint64_t *>(sV + 2 * N * D);
+  uint64_t *fullK = bars, *fullV = bars + 2, *emptyK = bars + 4, *emptyV = bars + 6;
+
+  const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  // Causal: heaviest query tiles first (as in attention_fwd_cuda.cu).
+  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
+  const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
+  const int64_t hk = h / (p.Hq / p.Hkv);
+  const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
+  const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
+  const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
+  const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
+  const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
+  const int n_tiles = static_cast<int>((kend + N - 1) / N);
+  const float scale2 = p.scale * kLog2e;
+
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < 2; ++st) {
+      mbar_init(&fullK[st], kThreads);
+      mbar_init(&fullV[st], kThreads);
+      mbar_init(&emptyK[st], kThreads / 32);
+      mbar_init(&emptyV[st], kThreads / 32);
+    }
+  }
+  __syncthreads();
+
+  auto rows_of = [&](int j) { return static_cast<int>(imin(N, p.Sk - static_cast<int64_t>(j) * N)); };
+  // Tile loads: every thread copies its share and arrives on the stage's
+  // full barrier when its copies land. A stage is refilled once every warp
+  // has released the tile two before (its empty barrier).
+  auto load_k = [&](int j) {
+    if (j >= 2) mbar_wait(&emptyK[j & 1], ((j >> 1) + 1) & 1);
+    load_tile_sw128<D, N>(sK + (j & 1) * N * D, k + static_cast<int64_t>(j) * N * p.k_st.seq, p.k_st.seq, rows_of(j));
+    mbar_arrive_cp_async(&fullK[j & 1]);
+  };
+  auto load_v = [&](int j) {
+    if (j >= 2) mbar_wait(&emptyV[j & 1], ((j >> 1) + 1) & 1);
+    load_tile_sw128<D, N>(sV + (j & 1) * N * D, v + static_cast<int64_t>(j) * N * p.v_st.seq, p.v_st.seq, rows_of(j));
+    mbar_arrive_cp_async(&fullV[j & 1]);
+  };
+  auto landed = [&](uint64_t *full, int j) {
+    mbar_wait(&full[j & 1], (j >> 1) & 1);
+    fence_proxy_async();
+  };
+  auto release = [&](uint64_t *empty, int j) {
+    if (lane == 0) mbar_arrive(&empty[j & 1]);
+  };
+  // S = Q K_j^T, issued: k-step kk reads columns 16 kk.. of Q and K, 32
+  // bytes into the 128-byte rows of column block kk / 4.
+  const T *sQg = sQ + wg * 64 * 64;  // this warpgroup's rows (column block 0)
+  // Descriptors of the tiles' starts; an offset of e elements inside a tile
+  // adds e * 2 / 16 to the start-address field (no carry: shared addresses
+  // stay below 256 KB).
+  const uint64_t dQ = desc128(sQg, 16), dK0 = desc128(sK, 16);
+  const uint64_t dV0 = desc128(sV, N * 64 * 2);
+  auto issue_s = [&](float (&s)[N / 8][4], int j) {
+    const uint64_t dK = dK0 + (j & 1) * (N * D / 8);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, N, 0>(s, dQ + ((kk / 4) * kBlockM * 64 + (kk % 4) * 16) / 8,
+                        dK + ((kk / 4) * N * 64 + (kk % 4) * 16) / 8, kk > 0);
+  };
+
+  float m[2], l[2], alpha[2];  // rows g and g + 8 of the warp: running max (log2 units), partial sums
+  int row_l[2];                // block-local row
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    row_l[r] = wg * 64 + warp * 16 + lane / 4 + 8 * r;
+  }
+  auto softmax = [&](float (&s)[N / 8][4], int j) {
+    const int64_t j0 = static_cast<int64_t>(j) * N;
+    const int k_rows = rows_of(j);
+    const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + wg * 64);
+    softmax_tile<N, kCausal>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
+  };
+
+  float o[D / 8][4];  // this warpgroup's 64 x D output, mma C layout per warp
+  zero(o);
+  float s[N / 8][4];
+  uint32_t pa[N / 16][4];  // P_j rounded to T: wgmma's A fragments, k-step kk = keys 16 kk..
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+  // O = alpha_j O + P_j V_j, issued: k-step kk = keys 16 kk.., rows 16 kk..
+  // of V (2048 bytes into each column block); V N-major, its column blocks
+  // N * 128 bytes apart.
+  auto issue_pv = [&](int j) {
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+      o[t][0] *= alpha[0];
+      o[t][1] *= alpha[0];
+      o[t][2] *= alpha[1];
+      o[t][3] *= alpha[1];
+    }
+    const uint64_t dV = dV0 + (j & 1) * (N * D / 8);
+    hold(o);
+    hold(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+      wgmma_rs<T, D, 1>(o, pa[kk], dV + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(o);
+  };
+
+  // Pipeline. Step j issues S_{j+1} = Q K_{j+1}^T, then the loads of K_{j+2}
+  // and V_{j+1}, then O += P_j V_j, and computes the softmax of S_{j+1}.
+  // No barrier of the block: the two warpgroups drift apart, so that one's
+  // softmax runs beside the other's products. Prologue: Q, K_0, V_0, K_1,
+  // then S_0 and its softmax.
+  load_tile_sw128<D, kBlockM>(sQ, q, p.q_st.seq, q_rows);
+  if (n_tiles > 0) load_k(0), load_v(0);
+  if (n_tiles > 1) load_k(1);
+  if (n_tiles > 0) {
+    landed(fullK, 0);  // Q came with K_0
+    wgmma_fence();
+    issue_s(s, 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    hold(s);
+    release(emptyK, 0);
+    softmax(s, 0);  // alpha = 0 times the zero output
+    pack_p();
+  }
+  for (int j = 0; j + 1 < n_tiles; ++j) {
+    landed(fullK, j + 1);
+    hold(s);
+    wgmma_fence();
+    issue_s(s, j + 1);
+    wgmma_commit();
+    hold(s);
+    if (j + 2 < n_tiles) load_k(j + 2);
+    load_v(j + 1);
+    landed(fullV, j);
+    issue_pv(j);
+    wgmma_wait<1>();  // S_{j+1}; P_j V_j may still run
+    hold(s);
+    release(emptyK, j + 1);
+    softmax(s, j + 1);
+    hold(s);
+    wgmma_wait<0>();
+    hold(o);
+    hold(pa);
+    release(emptyV, j);
+    pack_p();
+  }
+  if (n_tiles > 0) {
+    landed(fullV, n_tiles - 1);
+    issue_pv(n_tiles - 1);
+    wgmma_wait<0>();
+    hold(o);
+  }
+
+  // out = o / l, lse = (m + log2 l) ln 2; rows past Sq are not stored.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lr = l[r];
+    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+    const int64_t row = i0 + row_l[r];
+    if (row >= p.Sq) continue;
+    const float inv = lr != 0.f ? 1.f / lr : 0.f;  // lr = 0: no key seen (out 0, lse -inf)
+    T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row * p.out_st.seq;
+    store_row<D>(out, o, r, inv);
+    if (lane % 4 == 0)
+      p.lse[b * p.lse_st.batch + h * p.lse_st.head + row * p.lse_st.seq] =
+          lr != 0.f ? (m[r] + __log2f(lr)) * kLn2 : -INFINITY;
+  }
+#endif
+}
+
+template <int D, bool kCausal, class T>
+const char *launch(const fo_attn_params &p, cudaStream_t stream) {
+  auto kernel = attn_fwd_wgmma_kernel<D, kCausal, T>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) !=
+      cudaSuccess)
+    return fo::last_error();
+  const dim3 grid(static_cast<unsigned>((p.Sq + kBlockM - 1) / kBlockM),
+                  static_cast<unsigned>(p.B * p.Hq));
+  kernel<<<grid, kThreads, kSmem<D>, stream>>>(p);
+  return fo::last_error();
+}
+
+}  // namespace
+
+extern "C" int fo_attn_fwd_wgmma_applies(const fo_attn_params *p) {
+#ifndef FUSEDOPS_SM90A
+  return 0;  // no sm_90a code in this build (setup.py defines it with arch 9.0a)
+#endif
+  if ((p->D != 64 && p->D != 128) || !(p->scale > 0.f)) return 0;  // scale: softmax_tile
+  const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
+  if (e && e[0] == '0') return 0;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return 0;
+  return major == 9 && minor == 0;  // the sm_90a cubin runs on 9.0 devices only
+}
+
+extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) -> const char * {
+    constexpr int D = decltype(d)::value;
+    if constexpr (D == 64 || D == 128)
+      return launch<D, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
+    else
+      return "fo_attn_fwd_wgmma_cuda: head dim not built (64 and 128 are)";
+  });
+}
