@@ -35,8 +35,14 @@ using namespace fo_attn;
 constexpr int kGroups = 2;                // warpgroups per block
 constexpr int kThreads = kGroups * 128;
 constexpr int kBlockM = kGroups * 64;     // query rows per block
+// Keys per tile, and blocks an SM holds: at D = 64 the softmax is half the
+// work of a tile (as much exp2 per key, half the products), so two blocks of
+// 64-key tiles (at most 128 registers a thread) share an SM and each block's
+// softmax runs beside the other's products.
 template <int D>
-constexpr int kBlockN = 128;              // keys per tile
+constexpr int kBlockN = D == 64 ? 64 : 128;
+template <int D>
+constexpr int kMinBlocks = D == 64 ? 2 : 1;
 template <int D>
 constexpr size_t kSmem = 1024 + static_cast<size_t>(kBlockM + 4 * kBlockN<D>) * D * 2 + 8 * 8;
 
@@ -175,7 +181,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2]
 #endif
 
 template <int D, bool kCausal, class T>
-__global__ void __launch_bounds__(kThreads, 1) attn_fwd_wgmma_kernel(const fo_attn_params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel(const fo_attn_params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int N = kBlockN<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
