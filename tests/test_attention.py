@@ -164,7 +164,9 @@ LAYOUT_CASES = [replace(BASE, layout=lay, causal=cz, dtype=dt)
                 for lay, cz, dt in itertools.product(["bhsd", "padded", "lastdim"], [False, True],
                                                      [torch.bfloat16, torch.float32])]
 LAYOUT_CASES += [replace(BASE, Hkv=4, layout="packed", dtype=dt) for dt in LOWP]
-SCALE_CASES = [replace(BASE, scale=0.5, causal=True), replace(BASE, scale=0.01, dtype=torch.float16)]
+# A negative scale: the H100's wgmma forward takes scale > 0 only and hands it on.
+SCALE_CASES = [replace(BASE, scale=0.5, causal=True), replace(BASE, scale=0.01, dtype=torch.float16),
+               replace(BASE, scale=-0.3, causal=True, D=128)]
 ALL_CASES = DTYPE_CASES + SEQ_CASES + DIM_CASES + GQA_CASES + LAYOUT_CASES + SCALE_CASES
 
 

@@ -4,10 +4,12 @@
 //
 // v0 (this file). One block of two warpgroups per (128-query tile, batch x q
 // head); each warpgroup owns 64 query rows. K and V tiles of kBlockN keys go
-// through shared memory in two stages (cp.async; tile j + 1 loads while tile
-// j is computed, one block barrier a tile). Both products read their B
-// operand straight from shared memory (descriptors over the 128-byte-swizzled
-// layout wgmma expects; no ldmatrix, no per-warp copies of K / V fragments):
+// through shared memory in two stages (cp.async by every thread; mbarriers
+// say when a stage has landed and when every warp is done with it, so there
+// is no block-wide barrier and the warpgroups drift apart: one's softmax runs
+// beside the other's products). Both products read their B operand straight
+// from shared memory (descriptors over the 128-byte-swizzled layout wgmma
+// expects; no ldmatrix, no per-warp copies of K / V fragments):
 //   S = Q K_j^T   wgmma 64 x kBlockN x 16, A = Q from shared memory (K-major),
 //   O += P V_j    wgmma 64 x D x 16, A = P from registers (the S accumulators
 //                 rounded to the dtype: their layout is wgmma's A fragment),
@@ -15,8 +17,9 @@
 // Online softmax between them in fp32 registers, as in the mma.sync kernel.
 // Head dims 64 and 128 (a multiple of 64: the swizzle atom is 64 elements
 // wide), bf16 and fp16, causal (top-left) or not, any Sq / Sk, grouped-query,
-// the strides of attention_fwd_cuda.cu. Other head dims and other GPUs take
-// the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it (for comparison).
+// the strides of attention_fwd_cuda.cu, softmax scale > 0. Other head dims
+// and other GPUs take the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it
+// (for comparison). Measured on the H100: docs/perf-notes.md (forward v3).
 //
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
 // FUSEDOPS_SM90A); for other archs the kernel body is empty, and
