@@ -49,19 +49,11 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   T *sK = sQ + kBlockM * D;
   T *sV = sK + kBlockN<D> * D;
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tig = lane % 4;  // mma fragment row group, thread in group
-  // Causal: the last query tiles see the most keys; launching them first
-  // leaves light blocks, not heavy ones, for the tail of the grid.
-  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
-  const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
-  const int64_t hk = h / (p.Hq / p.Hkv);
-  const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
-  const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
-  const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
-  const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
-  const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-  const int n_tiles = static_cast<int>((kend + kBlockN<D> - 1) / kBlockN<D>);
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;  // g: mma fragment row group
+  const FwdBlock<T, kBlockM, kBlockN<D>, kCausal> blk(p);
+  const int64_t i0 = blk.i0;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
+  const int q_rows = blk.q_rows, n_tiles = blk.n_tiles;
   const float scale2 = p.scale * kLog2e;
 
   load_tile<D, kThreads>(sQ, q, p.q_st.seq, kBlockM, q_rows);
@@ -113,49 +105,15 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
                              static_cast<int>(imin(kBlockN<D>, p.Sk - j0 - kBlockN<D>)));
     cp_async_commit();
 
-    // Online softmax over this tile. Masking (keys past Sk; causal: key >
-    // row, i.e. kl + (j0 - i0) > row_l) only on tiles that need it.
+    // Online softmax over this tile (masked only where it needs it).
     const bool edge = k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0);
-    const int off = static_cast<int>(j0 - i0);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int t = 0; t < kBlockN<D> / 8; ++t)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = s[mt][t][2 * r + e] * scale2;
-            if (edge) {
-              const int kl = t * 8 + tig * 2 + e;
-              if (kl >= k_rows || (kCausal && kl + off > row_l[mt][r])) x = -INFINITY;
-            }
-            s[mt][t][2 * r + e] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][r], mx);
-        const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
-        const float alpha = exp2_approx(m[mt][r] - shift);
-        m[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < kBlockN<D> / 8; ++t)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = exp2_approx(s[mt][t][2 * r + e] - shift);
-            s[mt][t][2 * r + e] = pe;
-            sum += pe;
-          }
-        l[mt][r] = l[mt][r] * alpha + sum;
-#pragma unroll
-        for (int t = 0; t < D / 8; ++t) {
-          o[mt][t][2 * r] *= alpha;
-          o[mt][t][2 * r + 1] *= alpha;
-        }
-      }
+    for (int mt = 0; mt < kMT; ++mt) {
+      float alpha[2];
+      softmax_tile<kBlockN<D>, kCausal, false>(s[mt], m[mt], l[mt], alpha, row_l[mt], edge, k_rows,
+                                               static_cast<int>(j0 - i0), scale2);
+      scale_rows(o[mt], alpha);
+    }
 
     cp_async_wait<1>();  // V_j has landed (K_{j+1} may still be in flight)
     __syncthreads();
@@ -163,25 +121,10 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     __syncthreads();  // every warp is done with sV before the next tile's load
   }
 
-  // out = o / l, lse = (m + log2 l) ln 2; rows past Sq are not stored.
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float lr = l[mt][r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-      const int64_t row = i0 + row_l[mt][r];
-      if (row >= p.Sq) continue;
-      // lr = 0: no key seen (out 0, lse -inf); a NaN lr stays NaN in out and
-      // lse, as in eager softmax (attention_cpu.c).
-      const float inv = lr != 0.f ? 1.f / lr : 0.f;
-      T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row * p.out_st.seq;
-      store_row<D>(out, o[mt], r, inv);
-      if (tig == 0)
-        p.lse[b * p.lse_st.batch + h * p.lse_st.head + row * p.lse_st.seq] =
-            lr != 0.f ? (m[mt][r] + __log2f(lr)) * kLn2 : -INFINITY;
-    }
+    for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[mt][r], o[mt], r, m[mt][r], l[mt][r]);
 }
 
 template <int D, bool kCausal, class T>

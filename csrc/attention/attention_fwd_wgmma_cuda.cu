@@ -34,6 +34,9 @@
 namespace {
 
 using namespace fo_attn;
+using fo::mbar_arrive;
+using fo::mbar_init;
+using fo::mbar_wait;
 
 constexpr int kGroups = 2;                // warpgroups per block
 constexpr int kThreads = kGroups * 128;
@@ -97,39 +100,24 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// Ties the accumulators to the point where it stands, so that the compiler
-// neither reads them before wgmma_wait nor writes them after the issue.
-template <int NT>
-__device__ __forceinline__ void hold(float (&d)[NT][4]) {
+// Ties registers (accumulators, or the A fragments of P) to the point where
+// it stands, so that the compiler neither reads them before wgmma_wait nor
+// writes them after the issue.
+template <class E, int NT>
+__device__ __forceinline__ void hold(E (&d)[NT][4]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[t][e]));
-}
-template <int NT>
-__device__ __forceinline__ void hold(uint32_t (&a)[NT][4]) {
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[t][e]));
-}
-// mbarriers (8 bytes of shared memory each) track the tile stages.
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<E, float>)
+        asm volatile("" : "+f"(d[t][e]));
+      else
+        asm volatile("" : "+r"(d[t][e]));
+    }
 }
 // Arrives on bar once every cp.async this thread has issued so far has landed.
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t *bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits for the completion of bar's phase of parity `parity` (0 for its first).
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
@@ -138,50 +126,6 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 
 // ---------------------------------------------------------------- the kernel
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Online softmax over one key tile (keys j0.., k_rows of them valid) of a
-// warp's S accumulators, rows g and g + 8 (block-local row_l): scale, mask,
-// new running max m, p = exp2(s - m) in place, running sums l. alpha: the
-// factor the output accumulators of each row are to be multiplied by.
-template <int N, bool kCausal>
-__device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], const int (&row_l)[2], bool edge,
-                                             int k_rows, int off, float scale2) {
-  // scale2 > 0 (fo_attn_fwd_wgmma_applies): the row max is taken on the raw
-  // scores and the scale goes into exp2's argument, one FFMA an element.
-  const int tig = threadIdx.x % 4;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int t = 0; t < N / 8; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (edge) {
-          const int kl = t * 8 + tig * 2 + e;
-          if (kl >= k_rows || (kCausal && kl + off > row_l[r])) s[t][2 * r + e] = -INFINITY;
-        }
-        mx = fmaxf(mx, s[t][2 * r + e]);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx * scale2);
-    const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
-    alpha[r] = exp2_approx(m[r] - shift);
-    m[r] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int t = 0; t < N / 8; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pe = exp2_approx(fmaf(s[t][2 * r + e], scale2, -shift));
-        s[t][2 * r + e] = pe;
-        sum += pe;
-      }
-    l[r] = l[r] * alpha[r] + sum;
-  }
-}
-#endif
 
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel(const fo_attn_params p) {
@@ -197,16 +141,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   uint64_t *fullK = bars, *fullV = bars + 2, *emptyK = bars + 4, *emptyV = bars + 6;
 
   const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-  // Causal: heaviest query tiles first (as in attention_fwd_cuda.cu).
-  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
-  const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
-  const int64_t hk = h / (p.Hq / p.Hkv);
-  const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
-  const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
-  const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
-  const int q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
-  const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-  const int n_tiles = static_cast<int>((kend + N - 1) / N);
+  const FwdBlock<T, kBlockM, N, kCausal> blk(p);
+  const int64_t i0 = blk.i0;
+  const T *k = blk.k, *v = blk.v;
+  const int n_tiles = blk.n_tiles;
   const float scale2 = p.scale * kLog2e;
 
   if (threadIdx.x == 0) {
@@ -268,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
     const int64_t j0 = static_cast<int64_t>(j) * N;
     const int k_rows = rows_of(j);
     const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + wg * 64);
-    softmax_tile<N, kCausal>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
+    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
   };
 
   float o[D / 8][4];  // this warpgroup's 64 x D output, mma C layout per warp
@@ -288,13 +226,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   // of V (2048 bytes into each column block); V N-major, its column blocks
   // N * 128 bytes apart.
   auto issue_pv = [&](int j) {
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-      o[t][0] *= alpha[0];
-      o[t][1] *= alpha[0];
-      o[t][2] *= alpha[1];
-      o[t][3] *= alpha[1];
-    }
+    scale_rows(o, alpha);
     const uint64_t dV = dV0 + (j & 1) * (N * D / 8);
     hold(o);
     hold(pa);
@@ -311,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   // No barrier of the block: the two warpgroups drift apart, so that one's
   // softmax runs beside the other's products. Prologue: Q, K_0, V_0, K_1,
   // then S_0 and its softmax.
-  load_tile_sw128<D, kBlockM>(sQ, q, p.q_st.seq, q_rows);
+  load_tile_sw128<D, kBlockM>(sQ, blk.q, p.q_st.seq, blk.q_rows);
   if (n_tiles > 0) load_k(0), load_v(0);
   if (n_tiles > 1) load_k(1);
   if (n_tiles > 0) {
@@ -354,21 +286,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
     hold(o);
   }
 
-  // out = o / l, lse = (m + log2 l) ln 2; rows past Sq are not stored.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lr = l[r];
-    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-    const int64_t row = i0 + row_l[r];
-    if (row >= p.Sq) continue;
-    const float inv = lr != 0.f ? 1.f / lr : 0.f;  // lr = 0: no key seen (out 0, lse -inf)
-    T *out = static_cast<T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + row * p.out_st.seq;
-    store_row<D>(out, o, r, inv);
-    if (lane % 4 == 0)
-      p.lse[b * p.lse_st.batch + h * p.lse_st.head + row * p.lse_st.seq] =
-          lr != 0.f ? (m[r] + __log2f(lr)) * kLn2 : -INFINITY;
-  }
+  for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[r], o, r, m[r], l[r]);
 #endif
 }
 
@@ -393,12 +312,7 @@ extern "C" int fo_attn_fwd_wgmma_applies(const fo_attn_params *p) {
   if ((p->D != 64 && p->D != 128) || !(p->scale > 0.f)) return 0;  // scale: softmax_tile
   const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
   if (e && e[0] == '0') return 0;
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return 0;
-  return major == 9 && minor == 0;  // the sm_90a cubin runs on 9.0 devices only
+  return fo::compute_capability(fo::current_device()) == 90;  // the sm_90a cubin runs on 9.0 only
 }
 
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {

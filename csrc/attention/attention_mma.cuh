@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "attention.h"
+#include "../common/cuda_utils.cuh"
 
 namespace fo_attn {
 
@@ -29,9 +30,7 @@ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a
 
 // ---------------------------------------------------------------- PTX wrappers
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using fo::smem_addr;
 
 // 16 bytes global -> shared, asynchronously; zeros when !valid.
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
@@ -238,6 +237,114 @@ __device__ __forceinline__ void store_row(T *dst, const float (&acc)[D / 8][4], 
   for (int t = 0; t < D / 8; ++t)
     *reinterpret_cast<uint32_t *>(dst + t * 8 + tig * 2) =
         pack2<T>(acc[t][2 * r] * mul, acc[t][2 * r + 1] * mul);
+}
+
+// ---------------------------------------------------------------- the forward's pieces
+// Shared by the forward kernels (attention_fwd_cuda.cu, mma.sync, and
+// attention_fwd_wgmma_cuda.cu, Hopper).
+
+// Block (blockIdx.x, blockIdx.y) of a forward grid: kBlockM query rows from
+// i0 of (batch b, q head h), walking n_tiles key tiles of kBlockN. Causal:
+// the last query tiles see the most keys; launching them first leaves light
+// blocks, not heavy ones, for the tail of the grid.
+template <class T, int kBlockM, int kBlockN, bool kCausal>
+struct FwdBlock {
+  int64_t i0, b, h;
+  const T *q, *k, *v;  // q at row i0; k, v at key 0 of kv head h / (Hq / Hkv)
+  int q_rows, n_tiles;
+  __device__ __forceinline__ explicit FwdBlock(const fo_attn_params &p) {
+    i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
+    const int64_t bh = blockIdx.y, hk = bh % p.Hq / (p.Hq / p.Hkv);
+    b = bh / p.Hq;
+    h = bh % p.Hq;
+    q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
+    k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
+    v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
+    q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
+    const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
+    n_tiles = static_cast<int>((kend + kBlockN - 1) / kBlockN);
+  }
+};
+
+// Online softmax over one key tile (keys j0.., k_rows of them valid) of a
+// warp's 16-row S accumulators, rows g and g + 8 (block-local row_l): mask
+// (keys past Sk; causal: key > row, i.e. kl + off > row_l, off = j0 - i0)
+// where edge says the tile needs it, new running max m (log2 units),
+// p = exp2(s scale2 - m) in place, running sums l (this thread's share).
+// alpha: the factor each row's output accumulators are to be multiplied by.
+// kFoldScale (scale2 > 0 only): the max is taken on the raw scores and the
+// scale goes into exp2's argument, one FFMA an element instead of a multiply
+// and a subtraction.
+template <int N, bool kCausal, bool kFoldScale>
+__device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], const int (&row_l)[2], bool edge,
+                                             int k_rows, int off, float scale2) {
+  const int tig = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = kFoldScale ? s[t][2 * r + e] : s[t][2 * r + e] * scale2;
+        if (edge) {
+          const int kl = t * 8 + tig * 2 + e;
+          if (kl >= k_rows || (kCausal && kl + off > row_l[r])) x = -INFINITY;
+        }
+        s[t][2 * r + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], kFoldScale ? mx * scale2 : mx);
+    const float shift = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet
+    alpha[r] = exp2_approx(m[r] - shift);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = s[t][2 * r + e];
+        const float pe = exp2_approx(kFoldScale ? fmaf(x, scale2, -shift) : x - shift);
+        s[t][2 * r + e] = pe;
+        sum += pe;
+      }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+
+// Rows g and g + 8 of a warp's 16-row accumulator tile times alpha[0], alpha[1].
+template <int NT>
+__device__ __forceinline__ void scale_rows(float (&acc)[NT][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    acc[t][0] *= alpha[0];
+    acc[t][1] *= alpha[0];
+    acc[t][2] *= alpha[1];
+    acc[t][3] *= alpha[1];
+  }
+}
+
+// Row r (0: g, 1: g + 8) of a warp's 16 x D output tile o, block-local row
+// row_l: out = o / l, lse = (m + log2 l) ln 2, l summed here over the row's
+// four threads (every lane must call). Rows past Sq are not stored. l = 0:
+// no key seen (out 0, lse -inf); a NaN l stays NaN in out and lse, as in
+// eager softmax (attention_cpu.c).
+template <int D, class T, class Block>
+__device__ __forceinline__ void store_out_row(const fo_attn_params &p, const Block &blk, int row_l,
+                                              const float (&o)[D / 8][4], int r, float m, float l) {
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  const int64_t row = blk.i0 + row_l;
+  if (row >= p.Sq) return;
+  const float inv = l != 0.f ? 1.f / l : 0.f;
+  T *out = static_cast<T *>(p.out) + blk.b * p.out_st.batch + blk.h * p.out_st.head + row * p.out_st.seq;
+  store_row<D>(out, o, r, inv);
+  if (threadIdx.x % 4 == 0)
+    p.lse[blk.b * p.lse_st.batch + blk.h * p.lse_st.head + row * p.lse_st.seq] =
+        l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host dispatch

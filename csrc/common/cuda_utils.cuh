@@ -138,6 +138,40 @@ __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   }
 }
 
+// --- shared-memory addresses and mbarriers ------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// mbarriers (8 bytes of shared memory each; sm_90 and up: the waits use
+// try_wait.parity). Below sm_90 they trap: the host launches no kernel that
+// uses them there.
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+// Waits for the completion of bar's phase of parity `parity` (0 for its first).
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#else
+  __trap();
+#endif
+}
+
 // --- thread-block clusters (sm_90 and up) -------------------------------------------------
 // A row too wide for one block's registers is split across the blocks of a
 // cluster, which exchange their partial sums through distributed shared
@@ -204,8 +238,7 @@ struct ClusterSum {
   __device__ __forceinline__ void init() {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0 && threadIdx.y == 0) {
-      for (int b = 0; b < NBUF; ++b)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[b])) : "memory");
+      for (int b = 0; b < NBUF; ++b) mbar_init(&bar[b], 1);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
 #endif
@@ -235,10 +268,7 @@ struct ClusterSum {
                        ::"r"(dst), "f"(v[0]), "f"(v[1]), "r"(rbar) : "memory");
       }
     }
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done) : "r"(bar_a), "r"(phase) : "memory");
+    mbar_wait(&bar[b], phase);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = lane < n ? slot[b][lane][k] : 0.f;
@@ -248,10 +278,6 @@ struct ClusterSum {
 #endif
   }
 
- private:
-  static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-  }
 };
 static_assert(sizeof(uint64_t) == 8, "mbarrier is 8 bytes");
 
@@ -263,6 +289,20 @@ inline int sm_count(int device) {
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
       n = 132;
     cache[device] = n;
+  }
+  return cache[device];
+}
+
+// Compute capability of `device` as 10 * major + minor (cached).
+inline int compute_capability(int device) {
+  static int cache[64];
+  if (device < 0 || device >= 64) return 0;
+  if (!cache[device]) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return 0;
+    cache[device] = 10 * major + minor;
   }
   return cache[device];
 }
