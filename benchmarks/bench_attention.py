@@ -3,8 +3,8 @@ tensors (the layout fusedops and FlashAttention use; torch's SDPA gets the
 (B, H, S, D) transposed views, which its kernels read in place).
 
 Impls: fusedops.functional.flash_attention (and on CUDA fusedops_det, the same
-with deterministic=True, and fusedops_mma, the forward on the mma.sync kernel
-where the H100 would take the wgmma one), eager fusedops.reference.attention
+with deterministic=True, and fusedops_mma, forward and backward on the mma.sync
+kernels where the H100 would take the wgmma ones), eager fusedops.reference.attention
 (the S x S matrix materialised), torch.compile of the latter (added by common);
 on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
 the CPU torch's SDPA as dispatched (its C++ flash kernel).
@@ -17,6 +17,7 @@ FLOPs (ANCHORS.md): 4 B H S^2 D forward, halved when causal; fwd+bwd 3.5x the
 forward. Judged in TFLOP/s against the matmul rate measured in the same run
 (bf16 on a GPU; fp32 on the CPU, where the kernels compute in fp32).
 """
+import contextlib
 import os
 
 import torch
@@ -54,18 +55,42 @@ def _sdpa(backend):
     return fn
 
 
-def _mma_sync(q, k, v, causal):
-    """fusedops with the forward on its mma.sync kernel (what GPUs other than
-    the H100 / H200 run) where the wgmma kernel would take it."""
+@contextlib.contextmanager
+def _wgmma_off():
     old = os.environ.get("FUSEDOPS_ATTN_WGMMA")
     os.environ["FUSEDOPS_ATTN_WGMMA"] = "0"
     try:
-        return functional.flash_attention(q, k, v, causal=causal)
+        yield
     finally:
         if old is None:
             del os.environ["FUSEDOPS_ATTN_WGMMA"]
         else:
             os.environ["FUSEDOPS_ATTN_WGMMA"] = old
+
+
+class _MmaSync(torch.autograd.Function):
+    """fusedops on its mma.sync kernels (what GPUs other than the H100 / H200
+    run) where the wgmma ones would take it, forward and backward: the op's
+    graph is kept from the forward and run under the same setting."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        with _wgmma_off(), torch.enable_grad():
+            out = functional.flash_attention(*leaves, causal=causal)
+        ctx.graph = (out, leaves)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        out, leaves = ctx.graph
+        with _wgmma_off():
+            grads = torch.autograd.grad(out, leaves, dout)
+        return (*grads, None)
+
+
+def _mma_sync(q, k, v, causal):
+    return _MmaSync.apply(q, k, v, causal)
 
 
 def _impls(device):

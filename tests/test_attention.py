@@ -209,15 +209,15 @@ def test_against_reference_deterministic(device, c):
     fused_and_check(c, device, deterministic=True)
 
 
-# On an H100 the forward at head dims 64 and 128 takes the wgmma kernel
-# (attention_fwd_wgmma_cuda.cu); FUSEDOPS_ATTN_WGMMA=0 sends it to the
-# mma.sync kernel that other GPUs run, checked here on the same cases.
+# On an H100 head dims 64 and 128 take the wgmma kernels
+# (attention_{fwd,bwd}_wgmma_cuda.cu); FUSEDOPS_ATTN_WGMMA=0 sends them to the
+# mma.sync kernels that other GPUs run, checked here on the same cases.
 SM80_CASES = [c for c in DTYPE_CASES + SEQ_CASES + GQA_CASES + LAYOUT_CASES + CUDA_CASES
               if c.dtype != torch.float32 and c.D in (64, 128)]
 
 
 @pytest.mark.parametrize("c", SM80_CASES, ids=ids(SM80_CASES))
-def test_against_reference_mma_sync_forward(device, c, monkeypatch):
+def test_against_reference_mma_sync(device, c, monkeypatch):
     if device == "cpu":
         pytest.skip("a CUDA kernel choice")
     monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", "0")

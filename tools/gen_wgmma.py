@@ -21,9 +21,9 @@ def ss(n, ptx):
     regs, ops = acc(n)
     k = n // 2
     return (f'      asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
-            f'                   "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, %{k}, %{k + 1}, p, 1, 1, 0, %{k + 3};\\n}}\\n"\n'
+            f'                   "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, %{k}, %{k + 1}, p, 1, 1, %{k + 3}, %{k + 4};\\n}}\\n"\n'
             f'                   : {ops}\n'
-            f'                   : "l"(da), "l"(db), "r"(scale_d), "n"(kTransB));')
+            f'                   : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA), "n"(kTransB));')
 
 
 def rs(n, ptx):
@@ -50,8 +50,9 @@ def header():
 // accumulators d[N/8][4] in the mma.m16n8 C layout per warp (warp w of the
 // group owns rows 16w..16w+15; d[i] are columns 8i..8i+7). B is read from
 // shared memory through descriptor db, K-major (kTransB = 0) or N-major
-// (kTransB = 1); A from descriptor da (K-major) or from registers a (the
-// mma.m16n8k16 A fragment of the warp's 16 rows). scale_d = 0 overwrites d.
+// (kTransB = 1); A from descriptor da, K-major (kTransA = 0) or M-major
+// (kTransA = 1), or from registers a (the mma.m16n8k16 A fragment of the
+// warp's 16 rows). scale_d = 0 overwrites d.
 // Issue between wgmma_fence() and wgmma_commit(); read d after wgmma_wait.
 #pragma once
 #include <cuda_bf16.h>
@@ -63,7 +64,7 @@ def header():
 namespace fo_attn {{
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <class T, int N, int kTransB>
+template <class T, int N, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int scale_d) {{
 {body(ss)}
 }}

@@ -20,6 +20,12 @@
 #pragma once
 #include "../common/fo_types.h"
 
+#ifdef __CUDACC__
+#define FO_ATTN_HD __host__ __device__ /* the kernels use the row padding too */
+#else
+#define FO_ATTN_HD
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -63,28 +69,36 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
  * cudaStream_t); return NULL on success or a static message naming the error.
  * The backward adds dq with fp32 atomics where fo_attn_bwd_cuda_atomic_dq. */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
-/* The Hopper forward (attention_fwd_wgmma_cuda.cu), which fo_attn_fwd_cuda
- * hands p to where fo_attn_fwd_wgmma_applies(p): head dim 64 or 128 on a 9.0
- * GPU, in a build with sm_90a code, unless FUSEDOPS_ATTN_WGMMA=0. */
+/* Whether the Hopper kernels (attention_*_wgmma_cuda.cu) take p: head dim 64
+ * or 128 on a 9.0 GPU, in a build with sm_90a code, unless the environment
+ * sets FUSEDOPS_ATTN_WGMMA=0 (read at every call). The forward also needs
+ * scale > 0: fo_attn_fwd_wgmma_applies. */
+int fo_attn_wgmma_applies(const fo_attn_params *p);
 int fo_attn_fwd_wgmma_applies(const fo_attn_params *p);
 const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
-/* Whether the CUDA backward adds dq with fp32 atomics: only where that is
- * faster than its deterministic dq kernel (head dims up to 64; measured
- * equal at 128, docs/perf-notes.md) and determinism is not asked for. */
-static inline int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
-  return !p->deterministic && p->D <= 64;
-}
-/* Floats of p->workspace the CUDA backward needs: delta = rowsum(dout * out),
- * [B, Hq, Sq]; with atomic dq, then (from a 16-byte aligned offset) the fp32
- * dq accumulator [B, Hq, Sq, D] that the dK/dV kernel adds into. */
+/* Whether the CUDA backward adds dq with fp32 atomics (mma.sync kernel) or
+ * bulk reductions (wgmma kernel) instead of its deterministic dq kernel:
+ * only where that is faster (mma.sync: head dims up to 64, measured equal at
+ * 128; wgmma: 64 and 128; docs/perf-notes.md) and determinism is not asked for. */
+int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p);
+/* The backward's per-row scratch has Sq rounded up to 64 rows (the wgmma
+ * kernel's query tile) for each (batch, q head). */
+FO_ATTN_HD static inline int64_t fo_attn_bwd_rows(const fo_attn_params *p) { return (p->Sq + 63) & ~(int64_t)63; }
+/* Floats of p->workspace the CUDA backward needs: delta = rowsum(dout * out)
+ * and lse2 = lse log2(e) (+inf on the padding rows), [B, Hq, rows] each;
+ * with atomic dq, then the fp32 dq accumulator, B Hq rows D floats (rows x D
+ * per (batch, q head) for the mma.sync kernel; 64 x 64 tiles in the wgmma
+ * kernel's fragment order for it). */
 static inline int64_t fo_attn_bwd_cuda_dq_acc_offset(const fo_attn_params *p) {
-  return (p->B * p->Hq * p->Sq + 3) / 4 * 4;
+  return 2 * p->B * p->Hq * fo_attn_bwd_rows(p);
 }
 static inline int64_t fo_attn_bwd_cuda_workspace(const fo_attn_params *p) {
-  return fo_attn_bwd_cuda_atomic_dq(p)
-             ? fo_attn_bwd_cuda_dq_acc_offset(p) + p->B * p->Hq * p->Sq * p->D
-             : p->B * p->Hq * p->Sq;
+  return fo_attn_bwd_cuda_dq_acc_offset(p) +
+         (fo_attn_bwd_cuda_atomic_dq(p) ? p->B * p->Hq * fo_attn_bwd_rows(p) * p->D : 0);
 }
+/* The Hopper dK, dV kernel (and dq, where atomic), launched by
+ * fo_attn_bwd_cuda after the delta kernel where fo_attn_wgmma_applies. */
+const char *fo_attn_bwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
 
 #ifdef __cplusplus

@@ -64,15 +64,25 @@ struct Cfg {
 // ---------------------------------------------------------------- 1. delta
 constexpr int kDeltaWarps = 8;
 
-// Also zeroes the row's fp32 dQ accumulator when there is one (dq_acc).
+// Rows of the padded scratch (fo_attn_bwd_rows a (batch, q head)): also
+// lse2 = lse log2(e), and zeroes the row's D floats of the fp32 dQ
+// accumulator when there is one (dq_acc). Padding rows: delta 0, lse2 +inf.
 template <class T>
 __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const fo_attn_params p,
-                                                                          float *delta,
+                                                                          float *delta, float *lse2,
                                                                           float *dq_acc) {
   const int lane = threadIdx.x & 31;
+  const int64_t rows = fo_attn_bwd_rows(&p);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
-  if (row >= p.B * p.Hq * p.Sq) return;
-  const int64_t i = row % p.Sq, bh = row / p.Sq, b = bh / p.Hq, h = bh % p.Hq;
+  if (row >= p.B * p.Hq * rows) return;
+  const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
+  if (dq_acc != nullptr)
+    for (int c = lane * 2; c < p.D; c += 64)
+      *reinterpret_cast<float2 *>(dq_acc + row * p.D + c) = make_float2(0.f, 0.f);
+  if (i >= p.Sq) {
+    if (lane == 0) delta[row] = 0.f, lse2[row] = INFINITY;
+    return;
+  }
   const T *o = static_cast<const T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + i * p.out_st.seq;
   const T *d = static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head +
                i * p.dout_st.seq;
@@ -85,10 +95,10 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const 
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) delta[row] = acc;  // row = (b Hq + h) Sq + i
-  if (dq_acc != nullptr)
-    for (int c = lane * 2; c < p.D; c += 64)
-      *reinterpret_cast<float2 *>(dq_acc + row * p.D + c) = make_float2(0.f, 0.f);
+  if (lane == 0) {
+    delta[row] = acc;  // row = (b Hq + h) rows + i
+    lse2[row] = p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e;
+  }
 }
 
 // dq = scale * dq_acc, rounded to T (the atomic path's last step).
@@ -96,9 +106,11 @@ template <class T>
 __global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_dq_convert_kernel(
     const fo_attn_params p, const float *dq_acc) {
   const int lane = threadIdx.x & 31;
+  const int64_t rows = fo_attn_bwd_rows(&p);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
-  if (row >= p.B * p.Hq * p.Sq) return;
-  const int64_t i = row % p.Sq, bh = row / p.Sq, b = bh / p.Hq, h = bh % p.Hq;
+  if (row >= p.B * p.Hq * rows) return;
+  const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
+  if (i >= p.Sq) return;
   T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
   for (int c = lane * 2; c < p.D; c += 64) {
     const float2 x = *reinterpret_cast<const float2 *>(dq_acc + row * p.D + c);
@@ -172,7 +184,8 @@ __device__ __forceinline__ void dq_part(const T *sds, const T *sK, int64_t q0, i
 // in all, but the order of the additions varies from run to run).
 template <int D, bool kCausal, bool kDq, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_params p,
-                                                                 const float *delta, float *dq_acc) {
+                                                                 const float *delta, float *dq_acc,
+                                                                 int64_t rows) {
   using C = Cfg<D>;
   constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile;
   constexpr int kSub = kDq ? C::kSubDq : C::kSub;
@@ -221,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
       sL[stage * kQTile + r] =
           ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + (m0 + r) * p.lse_st.seq] * kLog2e
              : INFINITY;
-      sDl[stage * kQTile + r] = ok ? delta[(b * p.Hq + h) * p.Sq + m0 + r] : 0.f;
+      sDl[stage * kQTile + r] = ok ? delta[(b * p.Hq + h) * rows + m0 + r] : 0.f;
     }
   };
   if (n_items > 0) prefetch(0, 0);
@@ -307,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
         // of the previous pass: one barrier a pass orders both.
         __syncthreads();
         dq_part<D, kKeys, kSub>(sdS + (pass & 1) * kKeys * kSub, sK, q0, p.Sq,
-                                dq_acc + ((b * p.Hq + h) * p.Sq + q0) * D);
+                                dq_acc + ((b * p.Hq + h) * rows + q0) * D);
         ++pass;
       }
     }
@@ -332,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
 // ---------------------------------------------------------------- 3. dQ
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_params p,
-                                                               const float *delta) {
+                                                               const float *delta, int64_t rows) {
   using C = Cfg<D>;
   constexpr int MT = C::kMTq, kRows = C::kRows, kKTile = C::kKTile;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -384,7 +397,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
       const bool ok = i < p.Sq;
       l2[mt][r] =
           ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
-      dl[mt][r] = ok ? delta[(b * p.Hq + h) * p.Sq + i] : 0.f;
+      dl[mt][r] = ok ? delta[(b * p.Hq + h) * rows + i] : 0.f;
     }
 
   float dq[MT][D / 8][4];
@@ -450,43 +463,50 @@ const char *allow_smem(K *kernel, size_t smem) {
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   using C = Cfg<D>;
-  float *delta = p.workspace;
+  const int64_t rows = fo_attn_bwd_rows(&p);  // a (batch, q head)'s rows of scratch
+  float *delta = p.workspace, *lse2 = p.workspace + p.B * p.Hq * rows;
   const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
   float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
-  const int64_t rows = p.B * p.Hq * p.Sq;
-  const unsigned row_blocks = static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps);
-  attn_bwd_delta_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, delta, dq_acc);
+  const unsigned row_blocks = static_cast<unsigned>((p.B * p.Hq * rows + kDeltaWarps - 1) / kDeltaWarps);
+  attn_bwd_delta_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, delta, lse2, dq_acc);
   if (const char *e = fo::last_error()) return e;
 
   const dim3 grid_kv(static_cast<unsigned>((p.Sk + C::kKeys - 1) / C::kKeys),
                      static_cast<unsigned>(p.B * p.Hkv));
   constexpr size_t smem_kv =
       (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
-  if (!atomic) {
+  if (fo_attn_wgmma_applies(&p)) {  // dK, dV (and an atomic dq) on Hopper
+    if (const char *e = fo_attn_bwd_wgmma_cuda(&p, stream)) return e;
+    if (atomic) return nullptr;
+  } else if (!atomic) {
     auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, false, T>;
     if (const char *e = allow_smem(dkdv, smem_kv)) return e;
-    dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, nullptr);
+    dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, nullptr, rows);
     if (const char *e = fo::last_error()) return e;
-
-    constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
-    auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
-    if (const char *e = allow_smem(dqk, smem_q)) return e;
-    const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
-                      static_cast<unsigned>(p.B * p.Hq));
-    dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta);
+  } else {
+    constexpr size_t smem_kvq = smem_kv + 2 * C::kKeys * C::kSubDq * sizeof(T);
+    // Only instantiated where this branch can be taken (D <= 64).
+    auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, (D <= 64), T>;
+    if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
+    dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc, rows);
+    if (const char *e = fo::last_error()) return e;
+    attn_bwd_dq_convert_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, dq_acc);
     return fo::last_error();
   }
-  constexpr size_t smem_kvq = smem_kv + 2 * C::kKeys * C::kSubDq * sizeof(T);
-  // Only instantiated where fo_attn_bwd_cuda_atomic_dq can be true.
-  auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, (D <= 64), T>;
-  if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
-  dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc);
-  if (const char *e = fo::last_error()) return e;
-  attn_bwd_dq_convert_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, dq_acc);
+  constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
+  auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
+  if (const char *e = allow_smem(dqk, smem_q)) return e;
+  const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
+                    static_cast<unsigned>(p.B * p.Hq));
+  dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta, rows);
   return fo::last_error();
 }
 
 }  // namespace
+
+extern "C" int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
+  return !p->deterministic && (p->D <= 64 || fo_attn_wgmma_applies(p));
+}
 
 extern "C" const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream) {
   if (p->B * p->Hq == 0 || p->Sq == 0 || p->Sk == 0) return nullptr;  // the shim fills those

@@ -28,8 +28,7 @@
 
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
-#include "attention_mma.cuh"
-#include "wgmma.cuh"
+#include "attention_sm90.cuh"
 
 namespace {
 
@@ -51,79 +50,6 @@ template <int D>
 constexpr int kMinBlocks = D == 64 ? 2 : 1;
 template <int D>
 constexpr size_t kSmem = 1024 + static_cast<size_t>(kBlockM + 4 * kBlockN<D>) * D * 2 + 8 * 8;
-
-// ---------------------------------------------------------------- shared layout
-// A [kRows, D] tile as D / 64 column blocks of [kRows, 64]: 128-byte rows,
-// 16-byte chunk c of row r at chunk c ^ (r mod 8) (wgmma's 128-byte swizzle;
-// every block starts on a 1024-byte boundary). Element offset of chunk c
-// (0 .. D/8 - 1) of row r:
-template <int kRows>
-__device__ __forceinline__ int sw128(int r, int c) {
-  return (c >> 3) * kRows * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-}
-
-// Thread t copies chunk t % (D/8) of rows t / (D/8) + i * kStep: its
-// chunk, the row's swizzle (row mod 8 stays fixed) and so its shared offset
-// pattern are the same for every i, and the global address advances by a
-// fixed stride: a few instructions a copy.
-template <int D, int kRows, class T>
-__device__ __forceinline__ void load_tile_sw128(T *sm, const T *base, int64_t row_stride,
-                                                int valid_rows) {
-  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0, "tile shape");
-  const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
-  T *dst = sm + sw128<kRows>(r0, c);
-  const T *src = base + r0 * row_stride + c * 8;
-#pragma unroll
-  for (int i = 0; i < kRows / kStep; ++i) {
-    const bool ok = r0 + i * kStep < valid_rows;
-    cp_async16(dst + i * kStep * 64, ok ? src : base, ok);
-    src += kStep * row_stride;
-  }
-}
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Shared-memory matrix descriptor, 128-byte swizzle. lbo: byte distance
-// between 64-element column blocks where the operand spans several along its
-// contiguous dimension N (N-major B); sbo: between 8-row groups (1024).
-__device__ __forceinline__ uint64_t desc128(const void *p, uint32_t lbo) {
-  const uint64_t a = smem_addr(p);
-  return ((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most kPending of this warpgroup's committed groups are in flight.
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Ties registers (accumulators, or the A fragments of P) to the point where
-// it stands, so that the compiler neither reads them before wgmma_wait nor
-// writes them after the issue.
-template <class E, int NT>
-__device__ __forceinline__ void hold(E (&d)[NT][4]) {
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (std::is_same_v<E, float>)
-        asm volatile("" : "+f"(d[t][e]));
-      else
-        asm volatile("" : "+r"(d[t][e]));
-    }
-}
-// Arrives on bar once every cp.async this thread has issued so far has landed.
-__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t *bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-#endif
 
 // ---------------------------------------------------------------- the kernel
 
@@ -163,12 +89,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   // has released the tile two before (its empty barrier).
   auto load_k = [&](int j) {
     if (j >= 2) mbar_wait(&emptyK[j & 1], ((j >> 1) + 1) & 1);
-    load_tile_sw128<D, N>(sK + (j & 1) * N * D, k + static_cast<int64_t>(j) * N * p.k_st.seq, p.k_st.seq, rows_of(j));
+    load_tile_sw128<D, N, kThreads>(sK + (j & 1) * N * D, k + static_cast<int64_t>(j) * N * p.k_st.seq, p.k_st.seq, rows_of(j));
     mbar_arrive_cp_async(&fullK[j & 1]);
   };
   auto load_v = [&](int j) {
     if (j >= 2) mbar_wait(&emptyV[j & 1], ((j >> 1) + 1) & 1);
-    load_tile_sw128<D, N>(sV + (j & 1) * N * D, v + static_cast<int64_t>(j) * N * p.v_st.seq, p.v_st.seq, rows_of(j));
+    load_tile_sw128<D, N, kThreads>(sV + (j & 1) * N * D, v + static_cast<int64_t>(j) * N * p.v_st.seq, p.v_st.seq, rows_of(j));
     mbar_arrive_cp_async(&fullV[j & 1]);
   };
   auto landed = [&](uint64_t *full, int j) {
@@ -213,15 +139,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   zero(o);
   float s[N / 8][4];
   uint32_t pa[N / 16][4];  // P_j rounded to T: wgmma's A fragments, k-step kk = keys 16 kk..
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
   // O = alpha_j O + P_j V_j, issued: k-step kk = keys 16 kk.., rows 16 kk..
   // of V (2048 bytes into each column block); V N-major, its column blocks
   // N * 128 bytes apart.
@@ -243,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   // No barrier of the block: the two warpgroups drift apart, so that one's
   // softmax runs beside the other's products. Prologue: Q, K_0, V_0, K_1,
   // then S_0 and its softmax.
-  load_tile_sw128<D, kBlockM>(sQ, blk.q, p.q_st.seq, blk.q_rows);
+  load_tile_sw128<D, kBlockM, kThreads>(sQ, blk.q, p.q_st.seq, blk.q_rows);
   if (n_tiles > 0) load_k(0), load_v(0);
   if (n_tiles > 1) load_k(1);
   if (n_tiles > 0) {
@@ -255,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
     hold(s);
     release(emptyK, 0);
     softmax(s, 0);  // alpha = 0 times the zero output
-    pack_p();
+    pack_a<T>(pa, s);
   }
   for (int j = 0; j + 1 < n_tiles; ++j) {
     landed(fullK, j + 1);
@@ -277,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
     hold(o);
     hold(pa);
     release(emptyV, j);
-    pack_p();
+    pack_a<T>(pa, s);
   }
   if (n_tiles > 0) {
     landed(fullV, n_tiles - 1);
@@ -305,23 +222,23 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
 
 }  // namespace
 
-extern "C" int fo_attn_fwd_wgmma_applies(const fo_attn_params *p) {
+extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
 #ifndef FUSEDOPS_SM90A
   return 0;  // no sm_90a code in this build (setup.py defines it with arch 9.0a)
 #endif
-  if ((p->D != 64 && p->D != 128) || !(p->scale > 0.f)) return 0;  // scale: softmax_tile
+  if (p->D != 64 && p->D != 128) return 0;
   const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
   if (e && e[0] == '0') return 0;
   return fo::compute_capability(fo::current_device()) == 90;  // the sm_90a cubin runs on 9.0 only
 }
 
+extern "C" int fo_attn_fwd_wgmma_applies(const fo_attn_params *p) {
+  return p->scale > 0.f && fo_attn_wgmma_applies(p);  // scale: softmax_tile's kFoldScale
+}
+
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) -> const char * {
-    constexpr int D = decltype(d)::value;
-    if constexpr (D == 64 || D == 128)
-      return launch<D, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
-    else
-      return "fo_attn_fwd_wgmma_cuda: head dim not built (64 and 128 are)";
+  return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
+    return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
   });
 }

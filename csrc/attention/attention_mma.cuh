@@ -93,6 +93,20 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return r;
 }
 
+// The fp32 accumulators of a warp's 16 x N tile (mma C layout), rounded to
+// T, as the A fragments of N / 16 k-steps (a[kk]: columns 16 kk..): a
+// product's result as the next product's A operand, without shared memory.
+template <class T, int NT>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[NT / 2][4], const float (&c)[NT][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    a[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+    a[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+    a[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
+}
+
 // Element offset of 16-byte chunk c of row r in a [rows, D] shared tile,
 // chunks XOR-swizzled so that the 8 row addresses of one ldmatrix (8
 // consecutive rows, one chunk) land in 8 different 16-byte bank groups.

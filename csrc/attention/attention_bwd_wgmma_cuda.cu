@@ -1,0 +1,336 @@
+// Flash attention backward on Hopper (sm_90a): the dK / dV kernel of
+// attention_bwd_cuda.cu with warpgroup MMA (wgmma.mma_async), and dQ in the
+// same pass, added into an fp32 accumulator by bulk reductions. Math,
+// layout and masking: attention.h. fo_attn_bwd_cuda runs the delta kernel
+// first (delta, lse2 = lse log2 e, the zeroed accumulator) and, where dq is
+// to be deterministic, its mma.sync dQ kernel after this one.
+//
+// v0 (this file). One block of two warpgroups per (128-key tile, batch x kv
+// head); each warpgroup owns 64 keys and keeps their dK, dV in fp32
+// registers. The block walks every q head of the group and every 64-query
+// tile that sees its keys (from the diagonal on when causal); Q, dO, lse2
+// and delta of a tile come through shared memory in two stages (cp.async by
+// every thread, mbarriers for full and empty, as in the forward). Per query
+// tile, a warpgroup, all in the key-major orientation so that each product's
+// result is the next one's A operand in registers:
+//   S^T  = K Q^T     wgmma 64 x 64 x 16, A = K (shared, K-major), B = Q (K-major)
+//   dP^T = V dO^T    likewise, A = V, B = dO
+//   P^T  = exp2(S^T scale log2 e - lse2)             (masked: keys past Sk, causal)
+//   dV  += P^T dO    A = P^T (registers), B = dO N-major
+//   dS^T = P^T (dP^T - delta)
+//   dK  += dS^T Q    A = dS^T (registers), B = Q N-major
+// and, unless dq is to be deterministic, dS^T also goes to shared memory for
+//   dQ   = dS K      A = dS (shared, M-major: dS^T as stored), B = K N-major,
+// 64 queries x 64 columns a warpgroup: at D = 128 warpgroup w takes columns
+// 64 w.. over all 128 keys (both halves of dS: a barrier of the block), at
+// D = 64 all columns over its own 64 keys (the two halves add in the
+// accumulator). The 64 x 64 fp32 result goes to shared memory in fragment
+// order (thread-major, conflict-free float4 stores) and one thread adds it
+// to the accumulator with cp.reduce.async.bulk (16 KB, one instruction; the
+// accumulator keeps that order, 64 x 64 tiles, and attn_bwd_dq_tiles_kernel
+// turns it into dq = scale acc). The order of those additions varies from
+// run to run; deterministic = 1 takes the dQ kernel instead.
+// Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
+// grouped-query, the strides of attention_bwd_cuda.cu. Built only for sm_90a
+// (the kernel bodies are empty elsewhere); fo_attn_wgmma_applies picks it.
+#include "attention.h"
+#include "../common/cuda_utils.cuh"
+#include "attention_sm90.cuh"
+
+namespace {
+
+using namespace fo_attn;
+using fo::mbar_arrive;
+using fo::mbar_init;
+using fo::mbar_wait;
+using fo::team_sync;
+
+constexpr int kGroups = 2;             // warpgroups per block
+constexpr int kThreads = kGroups * 128;
+constexpr int kKeys = kGroups * 64;    // keys per block
+constexpr int kM = 64;                 // queries per step: the scratch's row tile (fo_attn_bwd_rows)
+constexpr int kAccTile = 64 * 64;      // floats of one dQ part (64 queries x 64 columns)
+
+// Shared memory: K, V [kKeys, D]; two stages of Q, dO [kM, D] (sw128, each
+// block 1024-byte aligned); two dS^T buffers [kKeys, kM]; a dQ part a
+// warpgroup; two stages of lse2 and delta [kM]; the stages' mbarriers.
+template <int D>
+constexpr size_t kSmem = 1024 + static_cast<size_t>(2 * kKeys + 4 * kM) * D * 2 +
+                         2 * kKeys * kM * 2 + kGroups * kAccTile * 4 + 4 * kM * 4 + 4 * 8;
+
+template <int D, bool kCausal, bool kDq, class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    attn_bwd_wgmma_kernel(const fo_attn_params p, const float *delta, const float *lse2, float *dq_acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T *sK = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T *sV = sK + kKeys * D;
+  T *sQ = sV + kKeys * D;       // [2][kM, D]
+  T *sdO = sQ + 2 * kM * D;     // [2][kM, D]
+  T *sdS = sdO + 2 * kM * D;    // [2][kKeys, kM]: dS^T of a step, buffer it % 2
+  float *sAcc = reinterpret_cast<float *>(sdS + 2 * kKeys * kM);  // [kGroups][kAccTile]
+  float *sL = sAcc + kGroups * kAccTile;                           // [2][kM]: lse2
+  float *sDl = sL + 2 * kM;                                        // [2][kM]: delta
+  uint64_t *full = reinterpret_cast<uint64_t *>(sDl + 2 * kM), *empty = full + 2;
+
+  const int wg = threadIdx.x / 128, wtid = threadIdx.x % 128, warp = wtid / 32, lane = threadIdx.x % 32;
+  const int tig = lane % 4;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
+  const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv, group = p.Hq / p.Hkv;
+  const int64_t rows = fo_attn_bwd_rows(&p);
+  const float scale2 = p.scale * kLog2e;
+  const int k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+
+  // Work items: (q head of the group, query tile), heads outer, in order.
+  const int m_first = kCausal ? static_cast<int>(j0 / kM) : 0;  // first tile with a query >= j0
+  const int m_tiles = static_cast<int>(rows / kM);
+  const int n_m = m_tiles > m_first ? m_tiles - m_first : 0;
+  const int n_items = static_cast<int>(group) * n_m;
+  auto item_m0 = [&](int it) { return static_cast<int64_t>(m_first + it % n_m) * kM; };
+  auto item_h = [&](int it) { return hk * group + it / n_m; };
+
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < 2; ++st) {
+      mbar_init(&full[st], kThreads);
+      mbar_init(&empty[st], kThreads / 32);
+    }
+  }
+  __syncthreads();
+
+  // Item it into stage it % 2, once every warp has released item it - 2:
+  // Q and dO tiles, lse2 and delta (padded rows: in bounds, P = 0 there).
+  auto load_item = [&](int it) {
+    const int st = it & 1;
+    if (it >= 2) mbar_wait(&empty[st], ((it >> 1) + 1) & 1);
+    const int64_t h = item_h(it), m0 = item_m0(it);
+    const int q_rows = static_cast<int>(imin(kM, p.Sq - m0));
+    load_tile_sw128<D, kM, kThreads>(
+        sQ + st * kM * D, static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + m0 * p.q_st.seq,
+        p.q_st.seq, q_rows);
+    load_tile_sw128<D, kM, kThreads>(sdO + st * kM * D,
+                                     static_cast<const T *>(p.dout) + b * p.dout_st.batch +
+                                         h * p.dout_st.head + m0 * p.dout_st.seq,
+                                     p.dout_st.seq, q_rows);
+    if (threadIdx.x < 2 * kM / 4) {  // 16-byte chunks of lse2, then of delta
+      const int c = threadIdx.x % (kM / 4);
+      const float *src = (threadIdx.x < kM / 4 ? lse2 : delta) + (b * p.Hq + h) * rows + m0 + 4 * c;
+      cp_async16((threadIdx.x < kM / 4 ? sL : sDl) + st * kM + 4 * c, src, true);
+    }
+    mbar_arrive_cp_async(&full[st]);
+  };
+
+  // This thread's keys (block-local): rows g and g + 8 of its warp's 16.
+  int key_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) key_l[r] = wg * 64 + warp * 16 + lane / 4 + 8 * r;
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+
+  if (n_items > 0) {
+    const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head + j0 * p.k_st.seq;
+    const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head + j0 * p.v_st.seq;
+    load_tile_sw128<D, kKeys, kThreads>(sK, k, p.k_st.seq, k_rows);
+    load_tile_sw128<D, kKeys, kThreads>(sV, v, p.v_st.seq, k_rows);
+    load_item(0);  // K and V land with item 0
+  }
+
+  // Descriptors. A: this warpgroup's 64 rows of K, V (column blocks kKeys x
+  // 64 apart). B: a stage's Q, dO K-major (S^T, dP^T: k-step kk = columns
+  // 16 kk.., 32 bytes into the rows of column block kk / 4) or N-major (dV,
+  // dK: k-step kk = rows 16 kk.., column blocks kM x 64 apart). Units of 16
+  // bytes: an element offset e adds e / 8.
+  const uint64_t dKa = desc128(sK + wg * 64 * 64, 16), dVa = desc128(sV + wg * 64 * 64, 16);
+  const uint64_t dQk = desc128(sQ, 16), dOk = desc128(sdO, 16);
+  const uint64_t dQn = desc128(sQ, kM * 64 * 2), dOn = desc128(sdO, kM * 64 * 2);
+  auto kmajor = [](int kk, int rows_) { return static_cast<uint64_t>(((kk / 4) * rows_ * 64 + (kk % 4) * 16) / 8); };
+
+  for (int it = 0; it < n_items; ++it) {
+    const int st = it & 1;
+    if (it + 1 < n_items) load_item(it + 1);
+    mbar_wait(&full[st], (it >> 1) & 1);
+    fence_proxy_async();
+    const uint64_t so = static_cast<uint64_t>(st * kM * D / 8);  // the stage, in descriptor units
+
+    float s[kM / 8][4], dp[kM / 8][4];  // S^T then P^T; dP^T then dS^T: 64 keys x kM queries
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, kM, 0>(s, dKa + kmajor(kk, kKeys), dQk + so + kmajor(kk, kM), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, kM, 0>(dp, dVa + kmajor(kk, kKeys), dOk + so + kmajor(kk, kM), kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // S^T
+    hold(s);
+
+    // P^T = exp2(S^T scale2 - lse2[query]); masked: keys past Sk, and
+    // (causal) key j0 + kl above query m0 + ql, i.e. kl + off > ql.
+    const int64_t m0 = item_m0(it);
+    const int off = static_cast<int>(j0 - m0);
+    const bool edge = k_rows < kKeys || (kCausal && j0 + wg * 64 + 63 > m0);
+#pragma unroll
+    for (int t = 0; t < kM / 8; ++t) {
+      const float2 l2 = *reinterpret_cast<const float2 *>(sL + st * kM + t * 8 + tig * 2);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
+          if (edge && (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e))) x = -INFINITY;
+          s[t][2 * r + e] = exp2_approx(x);
+        }
+    }
+    uint32_t pa[kM / 16][4];  // P^T rounded to T: wgmma A fragments, k-step kk = queries 16 kk..
+    pack_a<T>(pa, s);
+    hold(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) wgmma_rs<T, D, 1>(dv, pa[kk], dOn + so + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(dv);
+    wgmma_wait<1>();  // dP^T; dV may still run
+    hold(dp);
+
+#pragma unroll
+    for (int t = 0; t < kM / 8; ++t) {
+      const float2 dl = *reinterpret_cast<const float2 *>(sDl + st * kM + t * 8 + tig * 2);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
+        dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
+      }
+    }
+    uint32_t da[kM / 16][4];  // dS^T rounded to T
+    pack_a<T>(da, dp);
+    T *sds = sdS + st * kKeys * kM;
+    if constexpr (kDq) {
+      // dS^T [kKeys, kM] (sw128: one 128-byte column block): fragment kk,
+      // register 2 hf + r = keys key_l[r], queries 16 kk + 8 hf + 2 tig, +1.
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<uint32_t *>(sds + sw128<kKeys>(key_l[r], 2 * kk + hf) + tig * 2) = da[kk][2 * hf + r];
+    }
+    hold(da);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) wgmma_rs<T, D, 1>(dk, da[kk], dQn + so + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(dk);
+
+    if constexpr (kDq) {
+      // dQ part: rows = the 64 queries, from dS^T read M-major (k-step kk =
+      // keys 16 kk.., 2048 bytes into the buffer), times K N-major.
+      constexpr int kDqKeys = D == 128 ? kKeys : 64;   // keys this part sums over
+      const int key0 = D == 128 ? 0 : wg * 64, cb = D == 128 ? wg : 0;  // and its column block
+      fence_proxy_async();  // this thread's dS^T stores, before wgmma reads them
+      if constexpr (D == 128)
+        team_sync(2, kThreads);  // both halves of dS^T written
+      else
+        team_sync(wg, 128);
+      float dq[8][4];
+      const uint64_t dSa = desc128(sds + key0 * 64, 16), dKn = desc128(sK + cb * kKeys * 64 + key0 * 64, 16);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kDqKeys / 16; ++kk)
+        wgmma_ss<T, 64, 1, 1>(dq, dSa + kk * 16 * 64 / 8, dKn + kk * 16 * 64 / 8, kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      hold(dq);
+      hold(dk);
+      hold(dv);
+      // Stage the part (once the last reduction has read the buffer), then
+      // one thread adds it to tile (query tile, column block cb).
+      float *acc_s = sAcc + wg * kAccTile;
+      if (wtid == 0) bulk_wait_read();
+      team_sync(wg, 128);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        *reinterpret_cast<float4 *>(acc_s + (i * 128 + wtid) * 4) = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
+      fence_proxy_async();
+      team_sync(wg, 128);
+      if (wtid == 0) {
+        const int64_t h = item_h(it);
+        bulk_reduce_add_f32(dq_acc + ((b * p.Hq + h) * rows + m0) * D + cb * kAccTile, acc_s, kAccTile * 4);
+        bulk_commit();
+      }
+    } else {
+      wgmma_wait<0>();
+      hold(dk);
+      hold(dv);
+    }
+    if (lane == 0) mbar_arrive(&empty[st]);
+  }
+  if (kDq && wtid == 0) bulk_wait();
+
+  // Keys that no query sees (causal, j0 >= Sq) get zeros: dk, dv are still 0.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = j0 + key_l[r];
+    if (key >= p.Sk) continue;
+    T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
+    T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
+    store_row<D>(dkp, dk, r, p.scale);
+    store_row<D>(dvp, dv, r, 1.f);
+  }
+#endif
+}
+
+// dq = scale * acc, rounded to T: one block a 64 x 64 tile of the
+// accumulator (tile (b Hq + h) rows / 64 + query tile, then column block),
+// stored in the fragment order of the kernel above: float4 i * 128 + t holds
+// thread t's accumulators dq[i][0..3], i.e. rows 16 w + g and + 8 (warp w,
+// lane 4 g + c) at columns 8 i + 2 c, + 1.
+template <int D, class T>
+__global__ void __launch_bounds__(128) attn_bwd_dq_tiles_kernel(const fo_attn_params p, const float *dq_acc) {
+  const int64_t rows = fo_attn_bwd_rows(&p), tile = blockIdx.x;
+  const int cb = static_cast<int>(tile % (D / 64));
+  const int64_t qt = tile / (D / 64), bh = qt / (rows / kM), m0 = qt % (rows / kM) * kM;
+  const int64_t b = bh / p.Hq, h = bh % p.Hq;
+  const int t = threadIdx.x, w = t / 32, g = t % 32 / 4, c = t % 4;
+  const float4 *src = reinterpret_cast<const float4 *>(dq_acc + tile * kAccTile);
+  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + cb * 64 + 2 * c;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 x = src[i * 128 + t];
+    const int64_t r0 = m0 + 16 * w + g;
+    if (r0 < p.Sq)
+      *reinterpret_cast<uint32_t *>(dq + r0 * p.dq_st.seq + 8 * i) = pack2<T>(x.x * p.scale, x.y * p.scale);
+    if (r0 + 8 < p.Sq)
+      *reinterpret_cast<uint32_t *>(dq + (r0 + 8) * p.dq_st.seq + 8 * i) = pack2<T>(x.z * p.scale, x.w * p.scale);
+  }
+}
+
+template <int D, bool kCausal, class T>
+const char *launch(const fo_attn_params &p, cudaStream_t stream) {
+  const int64_t rows = fo_attn_bwd_rows(&p);
+  const float *delta = p.workspace, *lse2 = p.workspace + p.B * p.Hq * rows;
+  const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
+  float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
+  auto kernel = atomic ? attn_bwd_wgmma_kernel<D, kCausal, true, T> : attn_bwd_wgmma_kernel<D, kCausal, false, T>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) != cudaSuccess)
+    return fo::last_error();
+  const dim3 grid(static_cast<unsigned>((p.Sk + kKeys - 1) / kKeys), static_cast<unsigned>(p.B * p.Hkv));
+  kernel<<<grid, kThreads, kSmem<D>, stream>>>(p, delta, lse2, dq_acc);
+  if (const char *e = fo::last_error()) return e;
+  if (!atomic) return nullptr;
+  const int64_t tiles = p.B * p.Hq * (rows / kM) * (D / 64);
+  if (tiles > 0x7fffffff) return "fo_attn_bwd_wgmma_cuda: batch x heads x query tiles above 2^31";
+  attn_bwd_dq_tiles_kernel<D, T><<<static_cast<unsigned>(tiles), 128, 0, stream>>>(p, dq_acc);
+  return fo::last_error();
+}
+
+}  // namespace
+
+extern "C" const char *fo_attn_bwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
+    return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
+  });
+}

@@ -1,0 +1,115 @@
+// Hopper (sm_90a) building blocks shared by the wgmma attention kernels
+// (attention_fwd_wgmma_cuda.cu, attention_bwd_wgmma_cuda.cu): tiles in
+// wgmma's 128-byte-swizzled shared layout, filled by cp.async; matrix
+// descriptors over them; wgmma fences, commits and waits; the async-proxy
+// fence; bulk reductions from shared to global memory. The wrappers of
+// wgmma.mma_async itself are generated: wgmma.cuh.
+#pragma once
+#include "attention_mma.cuh"
+#include "wgmma.cuh"
+
+namespace fo_attn {
+
+// A [kRows, D] tile as D / 64 column blocks of [kRows, 64]: 128-byte rows,
+// 16-byte chunk c of row r at chunk c ^ (r mod 8) (wgmma's 128-byte swizzle;
+// every block starts on a 1024-byte boundary). Element offset of chunk c
+// (0 .. D/8 - 1) of row r:
+template <int kRows>
+__device__ __forceinline__ int sw128(int r, int c) {
+  return (c >> 3) * kRows * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+}
+
+// rows x D tile from global (row i at base + i * row_stride) into shared
+// (sw128), rows >= valid_rows zero-filled, by the block's kThreads threads.
+// Thread t copies chunk t % (D/8) of rows t / (D/8) + i * kStep: its chunk,
+// the row's swizzle (row mod 8 stays fixed) and so its shared offset pattern
+// are the same for every i, and the global address advances by a fixed
+// stride: a few instructions a copy.
+template <int D, int kRows, int kThreads, class T>
+__device__ __forceinline__ void load_tile_sw128(T *sm, const T *base, int64_t row_stride,
+                                                int valid_rows) {
+  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0, "tile shape");
+  const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  T *dst = sm + sw128<kRows>(r0, c);
+  const T *src = base + r0 * row_stride + c * 8;
+#pragma unroll
+  for (int i = 0; i < kRows / kStep; ++i) {
+    const bool ok = r0 + i * kStep < valid_rows;
+    cp_async16(dst + i * kStep * 64, ok ? src : base, ok);
+    src += kStep * row_stride;
+  }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory matrix descriptor, 128-byte swizzle. lbo: byte distance
+// between 64-element column blocks where the operand spans several along its
+// contiguous dimension (an N-major B, an M-major A); sbo: between 8-row
+// groups (1024). An offset of e elements inside a tile adds e * 2 / 16 to
+// the start-address field (no carry: shared addresses stay below 256 KB).
+__device__ __forceinline__ uint64_t desc128(const void *p, uint32_t lbo) {
+  const uint64_t a = smem_addr(p);
+  return ((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most kPending of this warpgroup's committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Ties registers (accumulators, or the A fragments of P) to the point where
+// it stands, so that the compiler neither reads them before wgmma_wait nor
+// writes them after the issue.
+template <class E, int NT>
+__device__ __forceinline__ void hold(E (&d)[NT][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<E, float>)
+        asm volatile("" : "+f"(d[t][e]));
+      else
+        asm volatile("" : "+r"(d[t][e]));
+    }
+}
+// Arrives on bar once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t *bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses (cp.async
+// landings, plain stores) before later async-proxy ones (wgmma operand
+// reads, bulk copies), once the threads have met at a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// dst[0, bytes) += src[0, bytes) in fp32, asynchronously (one thread issues;
+// bytes a multiple of 16, both 16-byte aligned). Completion: bulk_commit,
+// then bulk_wait_read (src may be overwritten) or bulk_wait (done).
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, const float *src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+#endif
+
+// fo_attn::dispatch for the head dims the wgmma kernels are built for.
+template <class F>
+const char *dispatch_wgmma(const fo_attn_params &p, F &&f) {
+  return dispatch(p, [&](auto d, auto causal, auto t) -> const char * {
+    if constexpr (decltype(d)::value == 64 || decltype(d)::value == 128)
+      return f(d, causal, t);
+    else
+      return "fo_attn_wgmma: head dim not built (64 and 128 are)";
+  });
+}
+
+}  // namespace fo_attn
