@@ -1,8 +1,9 @@
 // Flash attention backward on the GPU (sm_80+): FlashAttention-2's algorithm
 // with tensor-core mma.sync. Math, layout and masking: attention.h.
 //
-//  1. delta = rowsum(dout * out) in fp32, one warp a row, into the workspace
-//     (which also zeroes the row's fp32 dQ accumulator on the atomic path).
+//  1. delta = rowsum(dout * out) in fp32 and lse2 = lse log2(e), D / 8
+//     threads a row, into the workspace (which also zeroes the row's fp32 dQ
+//     accumulator on the atomic paths).
 //  2. dK, dV: one block of 4 warps per (key tile, batch x kv head); each warp
 //     owns 16 MT keys (MT m-tiles, Cfg) and keeps their dK, dV in fp32
 //     registers. The block walks every q head of its group and every query
@@ -62,60 +63,68 @@ struct Cfg {
 };
 
 // ---------------------------------------------------------------- 1. delta
-constexpr int kDeltaWarps = 8;
+// A row of the padded scratch (fo_attn_bwd_rows a (batch, q head)) to a
+// group of kRowThreads threads, a power of two >= D / 8: thread c of the
+// group takes elements 8c..8c+7 (16-byte loads and stores).
+constexpr int kRowBlock = 256;
+template <int D>
+constexpr int kRowThreads = D <= 32 ? 4 : D <= 64 ? 8 : 16;
+template <int D>
+__device__ __forceinline__ int64_t group_row() {
+  return static_cast<int64_t>(blockIdx.x) * (kRowBlock / kRowThreads<D>) + threadIdx.x / kRowThreads<D>;
+}
+template <int D>
+unsigned row_blocks(int64_t rows) {
+  constexpr int kRows = kRowBlock / kRowThreads<D>;
+  return static_cast<unsigned>((rows + kRows - 1) / kRows);
+}
 
-// Rows of the padded scratch (fo_attn_bwd_rows a (batch, q head)): also
-// lse2 = lse log2(e), and zeroes the row's D floats of the fp32 dQ
-// accumulator when there is one (dq_acc). Padding rows: delta 0, lse2 +inf.
-template <class T>
-__global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_delta_kernel(const fo_attn_params p,
-                                                                          float *delta, float *lse2,
-                                                                          float *dq_acc) {
-  const int lane = threadIdx.x & 31;
-  const int64_t rows = fo_attn_bwd_rows(&p);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
-  if (row >= p.B * p.Hq * rows) return;
+// delta = rowsum(dout * out), lse2 = lse log2(e), and zeroes the row's D
+// floats of the fp32 dQ accumulator when there is one (dq_acc). Padding
+// rows: delta 0, lse2 +inf.
+template <int D, class T>
+__global__ void __launch_bounds__(kRowBlock) attn_bwd_delta_kernel(const fo_attn_params p, float *delta,
+                                                                   float *lse2, float *dq_acc) {
+  constexpr int kG = kRowThreads<D>;
+  const int c = threadIdx.x % kG;
+  const int64_t rows = fo_attn_bwd_rows(&p), row = group_row<D>();
+  const bool valid = row < p.B * p.Hq * rows;  // no early return: the group's shuffles need every lane
   const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
-  if (dq_acc != nullptr)
-    for (int c = lane * 2; c < p.D; c += 64)
-      *reinterpret_cast<float2 *>(dq_acc + row * p.D + c) = make_float2(0.f, 0.f);
-  if (i >= p.Sq) {
-    if (lane == 0) delta[row] = 0.f, lse2[row] = INFINITY;
-    return;
-  }
-  const T *o = static_cast<const T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + i * p.out_st.seq;
-  const T *d = static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head +
-               i * p.dout_st.seq;
   float acc = 0.f;
-  for (int c = lane * 2; c < p.D; c += 64) {  // D is even: pairs of elements
-    float x[2], y[2];
-    fo::load_f<2>(o + c, x);
-    fo::load_f<2>(d + c, y);
-    acc += x[0] * y[0] + x[1] * y[1];
+  if (valid && i < p.Sq && c < D / 8) {
+    float x[8], y[8];
+    fo::load_f<8>(static_cast<const T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + i * p.out_st.seq + 8 * c, x);
+    fo::load_f<8>(static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head + i * p.dout_st.seq + 8 * c, y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(x[e], y[e], acc);
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
+  for (int off = kG / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (!valid) return;
+  if (dq_acc != nullptr && c < D / 8) {
+    float4 *z = reinterpret_cast<float4 *>(dq_acc + row * D + 8 * c);
+    z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (c == 0) {
     delta[row] = acc;  // row = (b Hq + h) rows + i
-    lse2[row] = p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e;
+    lse2[row] = i < p.Sq ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
   }
 }
 
-// dq = scale * dq_acc, rounded to T (the atomic path's last step).
-template <class T>
-__global__ void __launch_bounds__(kDeltaWarps * 32) attn_bwd_dq_convert_kernel(
-    const fo_attn_params p, const float *dq_acc) {
-  const int lane = threadIdx.x & 31;
-  const int64_t rows = fo_attn_bwd_rows(&p);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
-  if (row >= p.B * p.Hq * rows) return;
+// dq = scale * dq_acc, rounded to T (the mma.sync atomic path's last step).
+template <int D, class T>
+__global__ void __launch_bounds__(kRowBlock) attn_bwd_dq_convert_kernel(const fo_attn_params p,
+                                                                        const float *dq_acc) {
+  const int c = threadIdx.x % kRowThreads<D>;
+  const int64_t rows = fo_attn_bwd_rows(&p), row = group_row<D>();
+  if (row >= p.B * p.Hq * rows || c >= D / 8) return;
   const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
   if (i >= p.Sq) return;
-  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
-  for (int c = lane * 2; c < p.D; c += 64) {
-    const float2 x = *reinterpret_cast<const float2 *>(dq_acc + row * p.D + c);
-    *reinterpret_cast<uint32_t *>(dq + c) = pack2<T>(x.x * p.scale, x.y * p.scale);
-  }
+  const float4 *src = reinterpret_cast<const float4 *>(dq_acc + row * D + 8 * c);
+  const float4 lo = src[0], hi = src[1];
+  const float x[8] = {lo.x * p.scale, lo.y * p.scale, lo.z * p.scale, lo.w * p.scale,
+                      hi.x * p.scale, hi.y * p.scale, hi.z * p.scale, hi.w * p.scale};
+  fo::store_f<8>(static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq + 8 * c, x);
 }
 
 // ---------------------------------------------------------------- 2. dK, dV
@@ -467,8 +476,7 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   float *delta = p.workspace, *lse2 = p.workspace + p.B * p.Hq * rows;
   const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
   float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
-  const unsigned row_blocks = static_cast<unsigned>((p.B * p.Hq * rows + kDeltaWarps - 1) / kDeltaWarps);
-  attn_bwd_delta_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, delta, lse2, dq_acc);
+  attn_bwd_delta_kernel<D, T><<<row_blocks<D>(p.B * p.Hq * rows), kRowBlock, 0, stream>>>(p, delta, lse2, dq_acc);
   if (const char *e = fo::last_error()) return e;
 
   const dim3 grid_kv(static_cast<unsigned>((p.Sk + C::kKeys - 1) / C::kKeys),
@@ -490,7 +498,7 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
     if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
     dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc, rows);
     if (const char *e = fo::last_error()) return e;
-    attn_bwd_dq_convert_kernel<T><<<row_blocks, kDeltaWarps * 32, 0, stream>>>(p, dq_acc);
+    attn_bwd_dq_convert_kernel<D, T><<<row_blocks<D>(p.B * p.Hq * rows), kRowBlock, 0, stream>>>(p, dq_acc);
     return fo::last_error();
   }
   constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);

@@ -92,12 +92,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int st = 0; st < 2; ++st) {
       mbar_init(&full[st], kThreads);
-      mbar_init(&empty[st], kThreads / 32);
+      mbar_init(&empty[st], kThreads);  // every thread: its reads of lse2, delta too
     }
   }
   __syncthreads();
 
-  // Item it into stage it % 2, once every warp has released item it - 2:
+  // Item it into stage it % 2, once every thread has released item it - 2:
   // Q and dO tiles, lse2 and delta (padded rows: in bounds, P = 0 there).
   auto load_item = [&](int it) {
     const int st = it & 1;
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       hold(dk);
       hold(dv);
     }
-    if (lane == 0) mbar_arrive(&empty[st]);
+    mbar_arrive(&empty[st]);
   }
   if (kDq && wtid == 0) bulk_wait();
 
@@ -286,24 +286,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 // accumulator (tile (b Hq + h) rows / 64 + query tile, then column block),
 // stored in the fragment order of the kernel above: float4 i * 128 + t holds
 // thread t's accumulators dq[i][0..3], i.e. rows 16 w + g and + 8 (warp w,
-// lane 4 g + c) at columns 8 i + 2 c, + 1.
+// lane 4 g + c) at columns 8 i + 2 c, + 1. Read in that order (coalesced),
+// put in place through shared memory (rows 72 floats apart: a half-warp's
+// float2 stores hit 32 distinct banks), written as 16-byte row segments.
 template <int D, class T>
 __global__ void __launch_bounds__(128) attn_bwd_dq_tiles_kernel(const fo_attn_params p, const float *dq_acc) {
-  const int64_t rows = fo_attn_bwd_rows(&p), tile = blockIdx.x;
-  const int cb = static_cast<int>(tile % (D / 64));
-  const int64_t qt = tile / (D / 64), bh = qt / (rows / kM), m0 = qt % (rows / kM) * kM;
+  constexpr int kLd = 72;
+  __shared__ __align__(16) float tile[64 * kLd];
+  const int64_t rows = fo_attn_bwd_rows(&p), t_idx = blockIdx.x;
+  const int cb = static_cast<int>(t_idx % (D / 64));
+  const int64_t qt = t_idx / (D / 64), bh = qt / (rows / kM), m0 = qt % (rows / kM) * kM;
   const int64_t b = bh / p.Hq, h = bh % p.Hq;
-  const int t = threadIdx.x, w = t / 32, g = t % 32 / 4, c = t % 4;
-  const float4 *src = reinterpret_cast<const float4 *>(dq_acc + tile * kAccTile);
-  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + cb * 64 + 2 * c;
+  const int t = threadIdx.x, r0 = t / 32 * 16 + t % 32 / 4, c0 = 2 * (t % 4);
+  const float4 *src = reinterpret_cast<const float4 *>(dq_acc + t_idx * kAccTile);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float4 x = src[i * 128 + t];
-    const int64_t r0 = m0 + 16 * w + g;
-    if (r0 < p.Sq)
-      *reinterpret_cast<uint32_t *>(dq + r0 * p.dq_st.seq + 8 * i) = pack2<T>(x.x * p.scale, x.y * p.scale);
-    if (r0 + 8 < p.Sq)
-      *reinterpret_cast<uint32_t *>(dq + (r0 + 8) * p.dq_st.seq + 8 * i) = pack2<T>(x.z * p.scale, x.w * p.scale);
+    *reinterpret_cast<float2 *>(tile + r0 * kLd + 8 * i + c0) = make_float2(x.x, x.y);
+    *reinterpret_cast<float2 *>(tile + (r0 + 8) * kLd + 8 * i + c0) = make_float2(x.z, x.w);
+  }
+  __syncthreads();
+  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + cb * 64;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int seg = j * 128 + t, r = seg / 8, c = seg % 8 * 8;
+    if (m0 + r >= p.Sq) continue;
+    const float4 lo = *reinterpret_cast<const float4 *>(tile + r * kLd + c);
+    const float4 hi = *reinterpret_cast<const float4 *>(tile + r * kLd + c + 4);
+    const float x[8] = {lo.x * p.scale, lo.y * p.scale, lo.z * p.scale, lo.w * p.scale,
+                        hi.x * p.scale, hi.y * p.scale, hi.z * p.scale, hi.w * p.scale};
+    fo::store_f<8>(dq + (m0 + r) * p.dq_st.seq + c, x);
   }
 }
 
