@@ -25,6 +25,8 @@
 //     products (S and dP computed in both kernels), bitwise repeatable.
 // v0: every warp 16 rows, dQ kernel always; v1: 32 rows a warp at D = 64,
 // where the accumulators leave room (at D = 128 they do not); v2: atomics.
+// On Hopper (fo_attn_wgmma_applies: D = 64 and 128 on a 9.0 GPU) step 2, dQ
+// included unless deterministic, is attention_bwd_wgmma_cuda.cu instead.
 // Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
