@@ -179,6 +179,13 @@ class FusedAdam(Optimizer):
         is not dense (a view with gaps, as torch.optim takes) is updated in a
         contiguous copy, and its states are contiguous (zeros_like makes them
         so)."""
+        seen = {}
+        for i, p in enumerate(group["params"]):  # first, so that nothing has changed if it raises
+            if p.grad is not None and seen.setdefault(id(p), i) != i:
+                # torch.optim warns of such groups and means to reject them
+                raise RuntimeError(f"{self._name}: parameters {seen[id(p)]} and {i} of a group are the "
+                                   "same tensor; the fused step would update it twice at once. Pass "
+                                   "each parameter once")
         buckets, write_back = {}, []
         for i, p in enumerate(group["params"]):
             if p.grad is None:

@@ -785,6 +785,19 @@ def test_sparse_grad_raises(device):
         FusedAdamW([p]).step()
 
 
+def test_duplicate_params_raise(device):
+    """A group naming one tensor twice: torch.optim warns (and means to reject
+    it); the fused kernel would update it twice at once, so the step refuses,
+    before any state or value changes."""
+    p = torch.ones(5, device=device, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = FusedAdam([p, torch.zeros(2, device=device), p])
+    with pytest.raises(RuntimeError, match=r"FusedAdam: parameters 0 and 2 of a group are the same tensor"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(5, device=device)) and opt.state_dict()["state"] == {}
+
+
 def test_float64_params_raise(device):
     p = torch.zeros(3, dtype=torch.float64, device=device, requires_grad=True)
     p.grad = torch.ones_like(p)
