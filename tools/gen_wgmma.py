@@ -17,22 +17,28 @@ def acc(n):
     return regs, ops
 
 
-def ss(n, ptx):
+def wgmma_asm(n, ptx, a_ins, a_text, imms):
+    """One wrapper's asm statement: the accumulators are operands 0 .. n/2 - 1,
+    then A (a_ins, written a_text in the instruction), db, scale_d and the
+    transpose immediates imms."""
     regs, ops = acc(n)
-    k = n // 2
-    return (f'      asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"\n'
-            f'                   "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, %{k}, %{k + 1}, p, 1, 1, %{k + 3}, %{k + 4};\\n}}\\n"\n'
+    a = n // 2
+    db = a + len(a_ins)
+    flags = ", ".join(f"%{db + 2 + i}" for i in range(len(imms)))
+    ins = ", ".join(a_ins + ['"l"(db)', '"r"(scale_d)'] + [f'"n"({m})' for m in imms])
+    return (f'      asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{db + 1}, 0;\\n"\n'
+            f'                   "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, {a_text(a)}, %{db}, p, 1, 1, {flags};\\n}}\\n"\n'
             f'                   : {ops}\n'
-            f'                   : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA), "n"(kTransB));')
+            f'                   : {ins});')
 
 
-def rs(n, ptx):
-    regs, ops = acc(n)
-    k = n // 2
-    return (f'      asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"\n'
-            f'                   "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs}}}, {{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, %{k + 6};\\n}}\\n"\n'
-            f'                   : {ops}\n'
-            f'                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(kTransB));')
+def ss(n, ptx):  # A by descriptor, K- or M-major
+    return wgmma_asm(n, ptx, ['"l"(da)'], lambda a: f"%{a}", ["kTransA", "kTransB"])
+
+
+def rs(n, ptx):  # A from registers: the instruction has no transpose for it
+    return wgmma_asm(n, ptx, [f'"r"(a[{i}])' for i in range(4)],
+                     lambda a: "{" + ", ".join(f"%{a + i}" for i in range(4)) + "}", ["kTransB"])
 
 
 def body(gen):
