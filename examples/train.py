@@ -147,7 +147,16 @@ def make_model(cfg, device, seed):
                                                 "num_key_value_heads")},
                          max_position_embeddings=cfg["seq"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(device=device, dtype=DTYPES[cfg["dtype"]][0])
+    model = LlamaForCausalLM(config)
+    # The input embedding at unit scale (Hugging Face draws it at std 0.02, as
+    # every weight): at 0.02 the random attention and MLP outputs drown the
+    # current token in the residual stream, and a model of 8 layers x 1024 sat
+    # on a plateau at ln(vocab) for a hundred steps or more before escaping at
+    # a step that rounding decided, so two runs' curves parted by 0.1-0.6
+    # there. At unit scale the loss falls from the first steps.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    return model.to(device=device, dtype=DTYPES[cfg["dtype"]][0])
 
 
 def lr_at(step, steps, lr):
