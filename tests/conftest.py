@@ -1,6 +1,7 @@
 """Shared fixtures and helpers of the fusedops tests: the devices to run on,
 per-test seeding, random inputs and output poisoning."""
 import contextlib
+import ctypes
 import zlib
 
 import pytest
@@ -15,6 +16,25 @@ HAS_CUDA = torch.cuda.is_available()
 devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# The x86-64 level the CPU kernels run at (csrc/common/dtype_cpu.c: 0, 3, 4, or
+# 5 = 4 with AVX512-BF16), read and set through the extension's C entry points.
+CPU_LIB = ctypes.CDLL(fusedops._C.__file__)
+CPU_LIB.fo_cpu_isa.restype = ctypes.c_int
+CPU_LIB.fo_cpu_set_isa.argtypes = [ctypes.c_int]
+CPU_LIB.fo_cpu_set_isa.restype = ctypes.c_int
+CPU_LEVEL = CPU_LIB.fo_cpu_isa()  # the level the kernels run at (FUSEDOPS_CPU_ISA may lower it)
+
+
+@contextlib.contextmanager
+def cpu_level(level):
+    """The CPU kernels at `level` (at most CPU_LEVEL) inside the block."""
+    was = CPU_LIB.fo_cpu_isa()
+    assert CPU_LIB.fo_cpu_set_isa(level) == level
+    try:
+        yield
+    finally:
+        CPU_LIB.fo_cpu_set_isa(was)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=requires_cuda)])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedops import functional as FF, reference
-from conftest import poisoned, randn, requires_cuda
+from conftest import CPU_LEVEL, cpu_level, poisoned, randn, requires_cuda
 from tolerances import assert_close_2x
 
 ops = torch.ops.fusedops
@@ -36,7 +36,8 @@ class Case:
     layout: how the inputs (and the upstream gradient) are laid out in memory:
     "bshd" contiguous; "bhsd" transposed views of (B, H, S, D) tensors (read in
     place); "packed" q, k, v slices of one (B, S, 3, H, D) tensor (read in place;
-    needs Sq == Sk, Hq == Hkv); "lastdim" head_dim not unit-stride (copied)."""
+    needs Sq == Sk, Hq == Hkv); "lastdim" head_dim not unit-stride (copied); "oddstride"
+    rows an odd number of elements apart."""
     B: int = 2
     Sq: int = 129
     Sk: int = 129
@@ -72,6 +73,10 @@ def make_tensor(shape, dtype, device, layout):
         wide = torch.full((B, S, H, D + 8), NAN, dtype=dtype, device=device)
         wide[..., 3:3 + D] = randn(shape, dtype, device)
         return wide[..., 3:3 + D]
+    if layout == "oddstride":  # rows an odd number of elements apart: bf16 pairs straddle 4-byte words
+        flat = torch.full((B, S, H * D + 1), NAN, dtype=dtype, device=device)
+        flat[..., :H * D] = randn((B, S, H * D), dtype, device)
+        return flat[..., :H * D].unflatten(-1, (H, D))
     raise ValueError(layout)
 
 
@@ -164,6 +169,7 @@ LAYOUT_CASES = [replace(BASE, layout=lay, causal=cz, dtype=dt)
                 for lay, cz, dt in itertools.product(["bhsd", "padded", "lastdim"], [False, True],
                                                      [torch.bfloat16, torch.float32])]
 LAYOUT_CASES += [replace(BASE, Hkv=4, layout="packed", dtype=dt) for dt in LOWP]
+LAYOUT_CASES += [replace(BASE, layout="oddstride", causal=cz, Sk=77) for cz in (False, True)]
 # A negative scale: the H100's wgmma forward takes scale > 0 only and hands it on.
 SCALE_CASES = [replace(BASE, scale=0.5, causal=True), replace(BASE, scale=0.01, dtype=torch.float16),
                replace(BASE, scale=-0.3, causal=True, D=128)]
@@ -222,6 +228,20 @@ def test_against_reference_mma_sync(device, c, monkeypatch):
         pytest.skip("a CUDA kernel choice")
     monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", "0")
     fused_and_check(c, device)
+
+
+# On a CPU with AVX512-BF16 (level 5) the bf16 forward at head dims that are
+# multiples of 32 takes its own tiles (vdpbf16ps, attention_cpu.c), which the
+# cases above then check; here the same cases on the level-4 tiles.
+BF16_TILE_CASES = [c for c in DTYPE_CASES + SEQ_CASES + DIM_CASES + GQA_CASES + LAYOUT_CASES
+                   if c.dtype == torch.bfloat16 and c.D % 32 == 0]
+
+
+@pytest.mark.skipif(CPU_LEVEL < 5, reason="no AVX512-BF16: the CPU runs the level-4 tiles everywhere")
+@pytest.mark.parametrize("c", BF16_TILE_CASES, ids=ids(BF16_TILE_CASES))
+def test_cpu_bf16_without_dot_tiles(c):
+    with cpu_level(4):
+        fused_and_check(c, "cpu")
 
 
 POISON_CASES = [BASE, replace(BASE, Sq=17, Sk=129, causal=True, dtype=torch.float16),

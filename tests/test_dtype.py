@@ -5,26 +5,22 @@ the kernels themselves at every level: bitwise the same results.
 The conversions are reached through fo_cpu_convert, a C entry point of the
 extension (csrc/common/dtype_cpu.c), called with ctypes; the level of the
 kernels is set with fo_cpu_set_isa."""
-import contextlib
 import ctypes
 
 import pytest
 import torch
 
-import fusedops
+from conftest import CPU_LEVEL, CPU_LIB, cpu_level
 from fusedops import functional
 from fusedops.optim import FusedAdamW
 
-LIB = ctypes.CDLL(fusedops._C.__file__)
+LIB = CPU_LIB
 LIB.fo_cpu_convert.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_int64]
 LIB.fo_cpu_convert.restype = ctypes.c_int
-LIB.fo_cpu_isa.restype = ctypes.c_int
-LIB.fo_cpu_set_isa.argtypes = [ctypes.c_int]
-LIB.fo_cpu_set_isa.restype = ctypes.c_int
 
-HW_LEVEL = LIB.fo_cpu_isa()  # the level the kernels run at (FUSEDOPS_CPU_ISA may lower it)
-LEVELS = [lvl for lvl in (0, 3, 4) if lvl <= HW_LEVEL]
+HW_LEVEL = CPU_LEVEL
+LEVELS = [lvl for lvl in (0, 3, 4, 5) if lvl <= HW_LEVEL]
 FO_DTYPE = {torch.float16: 1, torch.bfloat16: 2}  # csrc/common/fo_types.h
 DTYPES = list(FO_DTYPE)
 
@@ -134,16 +130,6 @@ def test_level_out_of_range():
 
 
 # ---- the kernels at every level ----------------------------------------------
-
-@contextlib.contextmanager
-def cpu_level(level):
-    was = LIB.fo_cpu_isa()
-    assert LIB.fo_cpu_set_isa(level) == level
-    try:
-        yield
-    finally:
-        LIB.fo_cpu_set_isa(was)
-
 
 def norm_results(dtype, rms, residual, s_fp32=False, H=333):
     T = 37  # H: a partial last block; from 3072 on, 16-bit w and b are read as they are

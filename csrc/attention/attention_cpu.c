@@ -157,6 +157,72 @@ static inline int64_t key_end(const fo_attn_params *p, int64_t i0, int64_t n) {
 
 /* ---------------------------------------------------------------- forward */
 
+/* A query tile's first n rows before its first key tile: o [n, ldo] zero,
+ * running max -inf, sums 0. */
+FO_INLINE void start_rows(int64_t n, float *o, int64_t ldo, float *m, float *l) {
+  memset(o, 0, sizeof(float) * (size_t)(n * ldo));
+  for (int64_t r = 0; r < n; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+}
+
+/* One key tile (keys j0.., nk of them) of the online softmax over rows
+ * [0, mq) of a query tile (rows i0..): s [mq, BK] the fp32 scores (nk rounded
+ * up to 16 of them read; masked: keys past nk and, causal, after the row),
+ * replaced by p = exp2(s scale log2e - m); m, l the running max (log2 units)
+ * and sum of each row; o [mq, ldo] the output rows, rescaled as the max grows. */
+FO_INLINE void softmax_rows(const fo_attn_params *p, int64_t i0, int64_t j0, int64_t mq, int64_t nk,
+                            float *s_tile, float *m, float *l, float *o_tile, int64_t ldo) {
+  const float scale2 = p->scale * LOG2E; /* scores in log2 units: exp2 */
+  const int64_t nk16 = round_up(nk, 16);
+  for (int64_t r = 0; r < mq; ++r) {
+    float *s = s_tile + r * BK;
+    /* visible: key j0 + c exists and (causal) j0 + c <= i0 + r */
+    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
+    v8f mx = v8_splat(-INFINITY);
+    for (int64_t c = 0; c < nk16; c += 8) {
+      const v8f x = v8_select(v8_iota(c) < (int32_t)vis, v8_load(s + c) * scale2, v8_splat(-INFINITY));
+      v8_store(s + c, x);
+      mx = v8_select(x > mx, x, mx);
+    }
+    const float m_tile = v8_hmax(mx);
+    const float m_new = m_tile > m[r] ? m_tile : m[r];
+    const float shift = m_new == -INFINITY ? 0.0f : m_new; /* nothing visible yet */
+    const float alpha = exp2_scalar(m[r] - shift);
+    v8f acc = v8_splat(0.0f);
+    for (int64_t c = 0; c < nk16; c += 8) {
+      const v8f e = v8_exp2(v8_load(s + c) - shift);
+      v8_store(s + c, e);
+      acc += e;
+    }
+    l[r] = l[r] * alpha + v8_hsum(acc);
+    m[r] = m_new;
+    if (alpha != 1.0f) {
+      float *o = o_tile + r * ldo;
+      for (int64_t d = 0; d < ldo; ++d) o[d] *= alpha;
+    }
+  }
+}
+
+/* Rows [0, nq) of a finished query tile (rows i0.. of (batch b, head h)):
+ * out = o / l, lse = (m + log2 l) ln 2. l = 0: no key seen (out 0, lse -inf).
+ * A NaN l (a NaN or an inf - inf among the scores) stays NaN in out and lse,
+ * as in eager softmax, so that the backward's P = exp(s - lse) is NaN too. */
+FO_INLINE void store_rows(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0, int64_t nq,
+                          const float *m, const float *l, float *o_tile, int64_t ldo) {
+  const fo_dtype t = p->dtype;
+  for (int64_t r = 0; r < nq; ++r) {
+    const float inv = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;
+    float *o = o_tile + r * ldo;
+    for (int64_t d = 0; d < p->D; ++d) o[d] *= inv;
+    fo_store_row(t, (char *)p->out + q_off(&p->out_st, b, i0 + r, h) * fo_dtype_size(t), o, p->D);
+    p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] =
+        l[r] != 0.0f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
+  }
+}
+
+
 typedef struct fwd_scratch {
   float *q, *o;  /* [BQ, Dp] */
   float *kt;     /* [Dp, BK]: K tile transposed */
@@ -172,85 +238,215 @@ FO_CLONES static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, in
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, Dp = round_up(D, 16), hk = h / (p->Hq / p->Hkv);
   const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
-  const float scale2 = p->scale * LOG2E; /* scores in log2 units: exp2 */
   load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
-  memset(w->o, 0, sizeof(float) * (size_t)(mq * Dp));
-  for (int64_t r = 0; r < mq; ++r) {
-    w->m[r] = -INFINITY;
-    w->l[r] = 0.0f;
-  }
+  start_rows(mq, w->o, Dp, w->m, w->l);
   const int64_t kend = key_end(p, i0, nq);
   for (int64_t j0 = 0; j0 < kend; j0 += BK) {
     const int64_t nk = min64(BK, kend - j0), nk16 = round_up(nk, 16);
     load_rows_t(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
     load_rows(t, p->v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D, w->v, Dp);
     gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->s, BK, 0);
-    for (int64_t r = 0; r < mq; ++r) {
-      float *s = w->s + r * BK;
-      /* visible: key j0 + c exists and (causal) j0 + c <= i0 + r */
-      const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
-      v8f mx = v8_splat(-INFINITY);
-      for (int64_t c = 0; c < nk16; c += 8) {
-        const v8f x = v8_select(v8_iota(c) < (int32_t)vis, v8_load(s + c) * scale2,
-                                v8_splat(-INFINITY));
-        v8_store(s + c, x);
-        mx = v8_select(x > mx, x, mx);
-      }
-      const float m_tile = v8_hmax(mx);
-      const float m_new = m_tile > w->m[r] ? m_tile : w->m[r];
-      const float shift = m_new == -INFINITY ? 0.0f : m_new; /* nothing visible yet */
-      const float alpha = exp2_scalar(w->m[r] - shift);
-      v8f acc = v8_splat(0.0f);
-      for (int64_t c = 0; c < nk16; c += 8) {
-        const v8f e = v8_exp2(v8_load(s + c) - shift);
-        v8_store(s + c, e);
-        acc += e;
-      }
-      const float sum = v8_hsum(acc);
-      w->l[r] = w->l[r] * alpha + sum;
-      w->m[r] = m_new;
-      if (alpha != 1.0f) {
-        float *o = w->o + r * Dp;
-        for (int64_t d = 0; d < Dp; ++d) o[d] *= alpha;
-      }
-    }
+    softmax_rows(p, i0, j0, mq, nk, w->s, w->m, w->l, w->o, Dp);
     gemm_tile(mq, Dp, nk, w->s, BK, 1, w->v, Dp, w->o, Dp, 1);
   }
-  /* l = 0: no key seen (out 0, lse -inf). A NaN l (a NaN or an inf - inf among
-   * the scores) stays NaN in out and lse, as in eager softmax, so that the
-   * backward's P = exp(s - lse) is NaN too. */
-  for (int64_t r = 0; r < nq; ++r) {
-    const float l = w->l[r], inv = l != 0.0f ? 1.0f / l : 0.0f;
-    float *o = w->o + r * Dp;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    fo_store_row(t, (char *)p->out + q_off(&p->out_st, b, i0 + r, h) * fo_dtype_size(t), o, D);
-    p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] =
-        l != 0.0f ? (w->m[r] + log2f(l)) / LOG2E : -INFINITY;
-  }
+  store_rows(p, b, h, i0, nq, w->m, w->l, w->o, Dp);
 }
 
 static float *zalloc(int64_t n) { return calloc((size_t)n, sizeof(float)); }
 
+#if FO_X86
+/* ------------------------------------------ forward, bf16 with AVX512-BF16
+ * At level FO_ISA_V4_BF16, bf16 inputs with D a multiple of 32 take these
+ * tiles: the two products run on vdpbf16ps (each fp32 lane adds the products
+ * of one pair of bf16 elements: twice the FLOPs of an fp32 FMA a cycle),
+ * reading K and V in place or as bf16 pairs, never widened to fp32. Scores,
+ * softmax and the output stay fp32; P is rounded to bf16 for P V, as the GPU
+ * kernels do. The scores are computed transposed (S^T = K Q^T), so that the
+ * query tile, packed once, is the vector operand and the softmax runs across
+ * 16 queries a vector. */
+
+/* A pair of bf16 read at any 2-byte alignment (a row of an odd stride). */
+typedef uint32_t pair_u __attribute__((aligned(2), may_alias));
+
+/* C[M, N] (+)= A B in fp32 from bf16 pairs: A element (i, p), the pair of
+ * columns 2p, 2p + 1 of row i, at A[i * rsa + p * csa]; B row p (the pair of
+ * rows 2p, 2p + 1) at B + p * ldb, 32-bit pairs, C row-major. M a multiple of
+ * 4, N of 32. Each 4 x 32 block of C stays in eight registers across the K2
+ * loop: per p, two loads of B, four broadcasts of A, eight vdpbf16ps. */
+FO_TARGET_V4_BF16 static inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const pair_u *A,
+                                               int64_t rsa, int64_t csa, const uint32_t *B, int64_t ldb,
+                                               float *C, int64_t ldc, int accumulate) {
+  for (int64_t i = 0; i < M; i += 4) {
+    for (int64_t j = 0; j < N; j += 32) {
+      float *c = C + i * ldc + j;
+      __m512 acc[4][2];
+      for (int r = 0; r < 4; ++r) {
+        acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+        acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+      }
+      const pair_u *a = A + i * rsa;
+      const uint32_t *b = B + j;
+      for (int64_t k = 0; k < K2; ++k, a += csa, b += ldb) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * rsa]);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+      }
+    }
+  }
+}
+
+/* 16 pairs (x[c], y[c]) of 16-bit values, x in the low half: x, y 32 bytes. */
+FO_TARGET_V4_BF16 static inline __m512i pairs16(__m256i x, __m256i y) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(x), _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
+}
+
+typedef struct fwd_scratch_bf16 {
+  uint32_t *qt;   /* [D/2, BQ]: Q^T pairs, pair p of query i at qt[p * BQ + i] (zeros past nq) */
+  uint32_t *k;    /* [BK, D/2]: a tail tile's K rows (zeros past nk); full tiles are read in place */
+  uint32_t *v;    /* [BK/2, D]: V pairs, keys 2p, 2p + 1 of column d at v[p * D + d] */
+  uint32_t *pt;   /* [BK/2, BQ]: P^T pairs rounded to bf16, keys 2p, 2p + 1 of query i */
+  float *st;      /* [BK, BQ]: S^T, then P^T */
+  float *o;       /* [BQ, D] */
+  float m[BQ], l[BQ], alpha[BQ];
+} fwd_scratch_bf16;
+
+FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+                                            fwd_scratch_bf16 *w) {
+  const int64_t D = p->D, D2 = D / 2, hk = h / (p->Hq / p->Hkv);
+  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4), nq32 = round_up(nq, 32);
+  const float scale2 = p->scale * LOG2E;
+  const uint16_t *q = (const uint16_t *)p->q, *kb = (const uint16_t *)p->k, *vb = (const uint16_t *)p->v;
+  /* Q^T pairs (queries past nq: zeros) */
+  memset(w->qt, 0, sizeof(uint32_t) * (size_t)(D2 * BQ));
+  for (int64_t i = 0; i < nq; ++i) {
+    const pair_u *row = (const pair_u *)(q + q_off(&p->q_st, b, i0 + i, h));
+    for (int64_t pp = 0; pp < D2; ++pp) w->qt[pp * BQ + i] = row[pp];
+  }
+  start_rows(BQ, w->o, D, w->m, w->l);
+  const int64_t kend = key_end(p, i0, nq);
+  for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+    const int64_t nk = min64(BK, kend - j0), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
+    /* S^T = K Q^T: K rows in place, or (a tail tile) copied and zero-padded to mk */
+    const pair_u *krows = (const pair_u *)(kb + q_off(&p->k_st, b, j0, hk));
+    int64_t krs = p->k_st.seq; /* in bf16 elements; / 2 below for pairs, as the row start allows */
+    if (nk < mk || (krs & 1)) {
+      memset(w->k, 0, sizeof(uint32_t) * (size_t)(mk * D2));
+      for (int64_t c = 0; c < nk; ++c)
+        memcpy(w->k + c * D2, kb + q_off(&p->k_st, b, j0 + c, hk), (size_t)D * 2);
+      krows = (const pair_u *)w->k;
+      krs = D;
+    }
+    gemm_bf16(mk, nq32, D2, krows, krs / 2, 1, w->qt, BQ, w->st, BQ, 0);
+    /* online softmax down the key rows, 8 queries a vector */
+    for (int64_t i = 0; i < nq32; i += 8) {
+      const v8i qi = v8_iota(i0 + i - j0); /* query - j0 of each lane */
+      v8f mx = v8_splat(-INFINITY);
+      for (int64_t c = 0; c < nk; ++c) {
+        v8f x = v8_load(w->st + c * BQ + i) * scale2;
+        if (p->causal) x = v8_select(qi >= (int32_t)c, x, v8_splat(-INFINITY));
+        v8_store(w->st + c * BQ + i, x);
+        mx = v8_select(x > mx, x, mx);
+      }
+      const v8f m_old = v8_load(w->m + i), m_new = v8_select(mx > m_old, mx, m_old);
+      const v8f shift = v8_select(m_new == v8_splat(-INFINITY), v8_splat(0.0f), m_new);
+      v8_store(w->alpha + i, v8_exp2(m_old - shift));
+      v8_store(w->m + i, m_new);
+      v8f sum = v8_splat(0.0f);
+      for (int64_t c = 0; c < nk; ++c) {
+        const v8f e = v8_exp2(v8_load(w->st + c * BQ + i) - shift);
+        v8_store(w->st + c * BQ + i, e);
+        sum += e;
+      }
+      v8_store(w->l + i, v8_load(w->l + i) * v8_load(w->alpha + i) + sum);
+    }
+    for (int64_t i = 0; i < mq; ++i)
+      if (w->alpha[i] != 1.0f)
+        for (int64_t d = 0; d < D; ++d) w->o[i * D + d] *= w->alpha[i];
+    /* P^T and V as bf16 pairs of keys (an odd last key paired with zeros) */
+    for (int64_t pp = 0; pp < nk2; ++pp) {
+      const int two = 2 * pp + 1 < nk;
+      for (int64_t i = 0; i < nq32; i += 16) {
+        const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->st + 2 * pp * BQ + i));
+        const __m256i y = two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->st + (2 * pp + 1) * BQ + i))
+                              : _mm256_setzero_si256();
+        _mm512_storeu_si512(w->pt + pp * BQ + i, pairs16(x, y));
+      }
+      const uint16_t *v0 = vb + q_off(&p->v_st, b, j0 + 2 * pp, hk);
+      const uint16_t *v1 = two ? vb + q_off(&p->v_st, b, j0 + 2 * pp + 1, hk) : NULL;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(v0 + d));
+        const __m256i y = two ? _mm256_loadu_si256((const __m256i *)(v1 + d)) : _mm256_setzero_si256();
+        _mm512_storeu_si512(w->v + pp * D + d, pairs16(x, y));
+      }
+    }
+    /* O += P V: A(i, p) = P^T pair p of query i */
+    gemm_bf16(mq, D, nk2, (const pair_u *)w->pt, 1, BQ, w->v, D, w->o, D, 1);
+  }
+  store_rows(p, b, h, i0, nq, w->m, w->l, w->o, D);
+}
+#endif
+
+/* Whether the forward takes the bf16 tiles above. */
+static int fwd_bf16_dot(const fo_attn_params *p) {
+#if FO_X86
+  return p->dtype == FO_BF16 && p->D % 32 == 0 && fo_cpu_isa() >= FO_ISA_V4_BF16;
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
 void fo_attn_fwd_cpu(const fo_attn_params *p) {
   const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
   const int64_t tasks = p->B * p->Hq * qtiles;
+  const int bf16_dot = fwd_bf16_dot(p);
 #pragma omp parallel if (tasks > 1)
   {
-    fwd_scratch w;
-    float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
-    w.q = buf;
-    w.o = w.q + BQ * Dp;
-    w.kt = w.o + BQ * Dp;
-    w.v = w.kt + BK * Dp;
-    w.s = w.v + BK * Dp;
-    w.tmp = w.s + BQ * BK;
-    /* dynamic: causal tiles differ in cost */
+#if FO_X86
+    if (bf16_dot) {
+      const int64_t D = p->D;
+      fwd_scratch_bf16 w;
+      uint32_t *buf = calloc((size_t)(D / 2 * BQ + BK * D / 2 + BK / 2 * D + BK / 2 * BQ), sizeof(uint32_t));
+      float *fbuf = zalloc(BK * BQ + BQ * D);
+      w.qt = buf;
+      w.k = w.qt + D / 2 * BQ;
+      w.v = w.k + BK * D / 2;
+      w.pt = w.v + BK / 2 * D;
+      w.st = fbuf;
+      w.o = w.st + BK * BQ;
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t it = task % qtiles, bh = task / qtiles;
-      fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t it = task % qtiles, bh = task / qtiles;
+        fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+      }
+      free(buf);
+      free(fbuf);
+    } else
+#endif
+    {
+      fwd_scratch w;
+      float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
+      w.q = buf;
+      w.o = w.q + BQ * Dp;
+      w.kt = w.o + BQ * Dp;
+      w.v = w.kt + BK * Dp;
+      w.s = w.v + BK * Dp;
+      w.tmp = w.s + BQ * BK;
+      /* dynamic: causal tiles differ in cost */
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t it = task % qtiles, bh = task / qtiles;
+        fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+      }
+      free(buf);
     }
-    free(buf);
   }
 }
 

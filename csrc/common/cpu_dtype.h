@@ -44,18 +44,22 @@
  * baseline clone). `name##_at(args..., isa)`, an FO_INLINE function, is
  * compiled into one function per level with isa a constant, and `name(args)`
  * calls the one fo_cpu_isa() picks. */
-enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4 };
+/* FO_ISA_V4_BF16: v4 with AVX512-BF16's dot products (vdpbf16ps), which the
+ * bf16 attention tiles use (attention_cpu.c); every other kernel runs its v4
+ * code there. */
+enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5 };
 
 #if FO_X86
 #define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define FO_TARGET_V4 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
 #define FO_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
+#define FO_TARGET_V4_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16,prefer-vector-width=512")))
 #else
 #define FO_CLONES
 #endif
 
 /* The level the kernels run at: the highest this CPU supports, lowered (never
- * raised) by FUSEDOPS_CPU_ISA=0|3|4 in the environment or by fo_cpu_set_isa.
+ * raised) by FUSEDOPS_CPU_ISA=0|3|4|5 in the environment or by fo_cpu_set_isa.
  * One copy for the library (dtype_cpu.c). */
 int fo_cpu_isa(void);
 int fo_cpu_set_isa(int cap);

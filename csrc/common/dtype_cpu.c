@@ -5,18 +5,23 @@
 
 #include "cpu_dtype.h"
 
+/* The highest level at most cap, of those up to hw. */
+static int capped(int cap, int hw) {
+  if (cap >= hw) return hw;
+  return cap >= FO_ISA_V4 ? FO_ISA_V4 : cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
+}
+
 static int detect(void) {
   int level = FO_ISA_BASE;
 #if FO_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) level = FO_ISA_V4;
-  else if (__builtin_cpu_supports("x86-64-v3")) level = FO_ISA_V3;
+  if (__builtin_cpu_supports("x86-64-v4"))
+    level = __builtin_cpu_supports("avx512bf16") ? FO_ISA_V4_BF16 : FO_ISA_V4;
+  else if (__builtin_cpu_supports("x86-64-v3"))
+    level = FO_ISA_V3;
 #endif
   const char *env = getenv("FUSEDOPS_CPU_ISA");
-  if (env && *env) {
-    const int cap = atoi(env);
-    if (cap < level) level = cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
-  }
+  if (env && *env) level = capped(atoi(env), level);
   return level;
 }
 
@@ -35,8 +40,7 @@ int fo_cpu_isa(void) {
  * a kernel runs); returns the level in effect. */
 int fo_cpu_set_isa(int cap) {
   __atomic_store_n(&level, -1, __ATOMIC_RELAXED);
-  const int hw = fo_cpu_isa();
-  const int l = cap >= hw ? hw : cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
+  const int l = capped(cap, fo_cpu_isa());
   __atomic_store_n(&level, l, __ATOMIC_RELAXED);
   return l;
 }
