@@ -481,6 +481,48 @@ typedef struct bwd_scratch {
   float *tmp;           /* [Dp] */
 } bwd_scratch;
 
+/* P = exp2(s scale log2e - lse log2e) and dS = P (dP - delta) over rows
+ * [0, nq) of a query tile (rows i0.. of (b, h)) against keys j0.. (nk of
+ * them; masked ones and those past nk, rounded up to 16, get 0): pr holds the
+ * scores and takes P, ds holds dP and takes dS, both [BQ, BK]; delta: the
+ * tile's first row's. */
+FO_INLINE void probs_rows(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0, int64_t j0,
+                          int64_t nq, int64_t nk, const float *delta, float *pr_tile, float *ds_tile) {
+  const float scale2 = p->scale * LOG2E;
+  const int64_t nk16 = round_up(nk, 16);
+  for (int64_t r = 0; r < nq; ++r) {
+    const float lse2 = p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] * LOG2E;
+    const float dl = delta[r];
+    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
+    float *pr = pr_tile + r * BK, *ds = ds_tile + r * BK;
+    for (int64_t c = 0; c < nk16; c += 8) {
+      const v8i visible = v8_iota(c) < (int32_t)vis;
+      const v8f pc = v8_select(visible, v8_exp2(v8_load(pr + c) * scale2 - lse2), v8_splat(0.0f));
+      v8_store(pr + c, pc);
+      v8_store(ds + c, v8_select(visible, pc * (v8_load(ds + c) - dl), v8_splat(0.0f)));
+    }
+  }
+}
+
+/* dst rows (ldd apart) += src rows (lds apart): n rows of d floats. */
+FO_INLINE void add_rows(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t n, int64_t d) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) dst[r * ldd + c] += src[r * lds + c];
+}
+
+/* A key tile's finished dk (times scale) and dv rows, keys j0.. (nk of them)
+ * of (b, kv head hk), from fp32 tiles with rows ld apart. */
+FO_INLINE void store_dkdv(const fo_attn_params *p, int64_t b, int64_t hk, int64_t j0, int64_t nk,
+                          float *dk_tile, const float *dv_tile, int64_t ld) {
+  const fo_dtype t = p->dtype;
+  for (int64_t r = 0; r < nk; ++r) {
+    float *dk = dk_tile + r * ld;
+    for (int64_t d = 0; d < p->D; ++d) dk[d] *= p->scale;
+    fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, b, j0 + r, hk) * fo_dtype_size(t), dk, p->D);
+    fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, b, j0 + r, hk) * fo_dtype_size(t), dv_tile + r * ld, p->D);
+  }
+}
+
 /* The contribution of one query tile (rows i0.., head h) to the key tile in w
  * (keys j0.., nk of them): dk, dv in w; dq rows added into dq_part. */
 FO_CLONES static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
@@ -490,32 +532,16 @@ FO_CLONES static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, in
   const int64_t D = p->D, Dp = round_up(D, 16), nk16 = round_up(nk, 16);
   const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
   const int64_t row0 = (b * p->Hq + h) * p->Sq + i0; /* of delta and dq_part */
-  const float scale2 = p->scale * LOG2E;
   load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
   load_rows(t, p->dout, q_off(&p->dout_st, b, i0, h), p->dout_st.seq, nq, D, w->dout, Dp);
   gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->pr, BK, 0);    /* s = q k^T */
   gemm_tile(mq, nk16, Dp, w->dout, Dp, 1, w->vt, BK, w->ds, BK, 0); /* dp = dout v^T */
-  for (int64_t r = 0; r < nq; ++r) {
-    const float lse2 = p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] * LOG2E;
-    const float dl = delta[row0 + r];
-    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
-    float *pr = w->pr + r * BK, *ds = w->ds + r * BK;
-    for (int64_t c = 0; c < nk16; c += 8) {
-      const v8i visible = v8_iota(c) < (int32_t)vis;
-      const v8f pc = v8_select(visible, v8_exp2(v8_load(pr + c) * scale2 - lse2), v8_splat(0.0f));
-      v8_store(pr + c, pc);
-      v8_store(ds + c, v8_select(visible, pc * (v8_load(ds + c) - dl), v8_splat(0.0f)));
-    }
-  }
+  probs_rows(p, b, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
   /* rows nq..mq of pr / ds are never read: the products below sum over nq rows */
   gemm_tile(nk16, Dp, nq, w->pr, 1, BK, w->dout, Dp, w->dv, Dp, 1); /* dv += p^T dout */
   gemm_tile(nk16, Dp, nq, w->ds, 1, BK, w->q, Dp, w->dk, Dp, 1);    /* dk += ds^T q */
   gemm_tile(mq, Dp, nk, w->ds, BK, 1, w->k, Dp, w->dq, Dp, 0);      /* dq tile = ds k */
-  for (int64_t r = 0; r < nq; ++r) {
-    float *dst = dq_part + (row0 + r) * D;
-    const float *src = w->dq + r * Dp;
-    for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
-  }
+  add_rows(dq_part + row0 * D, D, w->dq, Dp, nq, D);
 }
 
 /* One task: key tiles split, split + splits, ... of (batch b, kv head hk). */
@@ -536,15 +562,138 @@ FO_CLONES static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, i
     const int64_t i_start = p->causal ? j0 / BQ * BQ : 0;
     for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
       for (int64_t i0 = i_start; i0 < p->Sq; i0 += BQ) bwd_pair(p, b, h, i0, j0, nk, delta, dq_part, w);
-    for (int64_t r = 0; r < nk; ++r) {
-      float *dk = w->dk + r * Dp;
-      for (int64_t d = 0; d < D; ++d) dk[d] *= p->scale;
-      fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, b, j0 + r, hk) * fo_dtype_size(t), dk, D);
-      fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, b, j0 + r, hk) * fo_dtype_size(t),
-                   w->dv + r * Dp, D);
-    }
+    store_dkdv(p, b, hk, j0, nk, w->dk, w->dv, Dp);
   }
 }
+
+#if FO_X86
+/* ------------------------------------------ backward, bf16 with AVX512-BF16
+ * Where the forward takes its bf16 tiles (fwd_bf16_dot), the backward's five
+ * products run on vdpbf16ps too, each operand as bf16 pairs along the
+ * product's inner dimension: S = Q K^T and dP = dO V^T with Q, dO rows read
+ * in place and K^T, V^T packed once per key tile; dV += P^T dO and dK += dS^T
+ * Q over pairs of queries; dQ = dS K over pairs of keys (K packed once per
+ * key tile). P and dS are rounded to bf16 for the last three, as the GPU
+ * kernels do; everything else is fp32, as in the fp32 tiles. */
+typedef struct bwd_scratch_bf16 {
+  uint32_t *kt, *vt; /* [D/2, BK]: K^T, V^T pairs along D, key c at [p * BK + c] (zeros past nk) */
+  uint32_t *kr;      /* [BK/2, D]: K as pairs of keys, for dQ */
+  uint32_t *qa, *da; /* [BQ, D/2]: a tail tile's Q, dO rows (zeros past nq); others read in place */
+  uint32_t *qr, *dr; /* [BQ/2, D]: Q, dO as pairs of queries, for dK, dV */
+  uint32_t *pq, *sq; /* [BQ/2, BK]: P, dS as pairs of queries, for dV, dK */
+  uint32_t *sk;      /* [BQ, BK/2]: dS rows as pairs of keys, for dQ */
+  float *pr, *ds;    /* [BQ, BK]: scores then P; dP then dS */
+  float *dk, *dv;    /* [BK, D] */
+  float *dq;         /* [BQ, D] */
+} bwd_scratch_bf16;
+
+/* dst[p * ld + r] = pair p (along D) of row r, n rows from base + off0, rows
+ * stride apart (bf16 elements). */
+FO_TARGET_V4_BF16 static inline void pack_pairs_t(uint32_t *dst, int64_t ld, const uint16_t *base,
+                                                  int64_t off0, int64_t stride, int64_t n, int64_t D2) {
+  for (int64_t r = 0; r < n; ++r) {
+    const pair_u *row = (const pair_u *)(base + off0 + r * stride);
+    for (int64_t pp = 0; pp < D2; ++pp) dst[pp * ld + r] = row[pp];
+  }
+}
+
+/* dst[c] = (a[c], b[c]) for n (a multiple of 16) bf16 columns; b NULL: zeros. */
+FO_TARGET_V4_BF16 static inline void pack_rows2(uint32_t *dst, const uint16_t *a, const uint16_t *b, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a + c));
+    const __m256i y = b ? _mm256_loadu_si256((const __m256i *)(b + c)) : _mm256_setzero_si256();
+    _mm512_storeu_si512(dst + c, pairs16(x, y));
+  }
+}
+
+/* The same from fp32 rows, rounded to bf16. */
+FO_TARGET_V4_BF16 static inline void pack_rows2_f32(uint32_t *dst, const float *a, const float *b, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + c));
+    const __m256i y = b ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + c)) : _mm256_setzero_si256();
+    _mm512_storeu_si512(dst + c, pairs16(x, y));
+  }
+}
+
+/* An fp32 row rounded to bf16 in place order: pairs of adjacent columns, n a
+ * multiple of 32. */
+FO_TARGET_V4_BF16 static inline void pack_row_f32(uint32_t *dst, const float *src, int64_t n) {
+  for (int64_t c = 0; c < n; c += 32)
+    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16),
+                                                                   _mm512_loadu_ps(src + c)));
+}
+
+/* A tile's rows as pairs along D for a product's A operand: in place where
+ * every row of the rounded-up count exists and rows are a whole number of
+ * pairs apart, else copied into pad (zeros past n). *rs: the row stride in pairs. */
+FO_TARGET_V4_BF16 static inline const pair_u *rows_as_pairs(const uint16_t *base, const fo_attn_strides *st,
+                                                            int64_t b, int64_t i0, int64_t h, int64_t n,
+                                                            int64_t m, int64_t D, uint32_t *pad, int64_t *rs) {
+  if (n == m && !(st->seq & 1)) {
+    *rs = st->seq / 2;
+    return (const pair_u *)(base + q_off(st, b, i0, h));
+  }
+  memset(pad, 0, sizeof(uint32_t) * (size_t)(m * D / 2));
+  for (int64_t r = 0; r < n; ++r) memcpy(pad + r * D / 2, base + q_off(st, b, i0 + r, h), (size_t)D * 2);
+  *rs = D / 2;
+  return (const pair_u *)pad;
+}
+
+FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+                                            int64_t j0, int64_t nk, const float *delta, float *dq_part,
+                                            bwd_scratch_bf16 *w) {
+  const int64_t D = p->D, D2 = D / 2, nk32 = round_up(nk, 32), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
+  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4), nq2 = (nq + 1) / 2;
+  const int64_t row0 = (b * p->Hq + h) * p->Sq + i0; /* of delta and dq_part */
+  const uint16_t *q = (const uint16_t *)p->q, *dout = (const uint16_t *)p->dout;
+  int64_t qrs, drs;
+  const pair_u *qa = rows_as_pairs(q, &p->q_st, b, i0, h, nq, mq, D, w->qa, &qrs);
+  const pair_u *da = rows_as_pairs(dout, &p->dout_st, b, i0, h, nq, mq, D, w->da, &drs);
+  gemm_bf16(mq, nk32, D2, qa, qrs, 1, w->kt, BK, w->pr, BK, 0); /* s = q k^T */
+  gemm_bf16(mq, nk32, D2, da, drs, 1, w->vt, BK, w->ds, BK, 0); /* dp = dout v^T */
+  probs_rows(p, b, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
+  /* pairs of queries (an odd last one with zeros) for dV, dK */
+  for (int64_t pp = 0; pp < nq2; ++pp) {
+    const int two = 2 * pp + 1 < nq;
+    pack_rows2_f32(w->pq + pp * BK, w->pr + 2 * pp * BK, two ? w->pr + (2 * pp + 1) * BK : NULL, nk32);
+    pack_rows2_f32(w->sq + pp * BK, w->ds + 2 * pp * BK, two ? w->ds + (2 * pp + 1) * BK : NULL, nk32);
+    pack_rows2(w->qr + pp * D, q + q_off(&p->q_st, b, i0 + 2 * pp, h),
+               two ? q + q_off(&p->q_st, b, i0 + 2 * pp + 1, h) : NULL, D);
+    pack_rows2(w->dr + pp * D, dout + q_off(&p->dout_st, b, i0 + 2 * pp, h),
+               two ? dout + q_off(&p->dout_st, b, i0 + 2 * pp + 1, h) : NULL, D);
+  }
+  gemm_bf16(mk, D, nq2, (const pair_u *)w->pq, 1, BK, w->dr, D, w->dv, D, 1); /* dv += p^T dout */
+  gemm_bf16(mk, D, nq2, (const pair_u *)w->sq, 1, BK, w->qr, D, w->dk, D, 1); /* dk += ds^T q */
+  /* rows nq..mq of ds are the products of zero rows (0): their dq rows are dropped */
+  for (int64_t r = 0; r < mq; ++r) pack_row_f32(w->sk + r * (BK / 2), w->ds + r * BK, nk32);
+  gemm_bf16(mq, D, nk2, (const pair_u *)w->sk, BK / 2, 1, w->kr, D, w->dq, D, 0); /* dq tile = ds k */
+  add_rows(dq_part + row0 * D, D, w->dq, D, nq, D);
+}
+
+FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
+                                            const float *delta, bwd_scratch_bf16 *w) {
+  const int64_t D = p->D, D2 = D / 2, G = p->Hq / p->Hkv;
+  const int64_t ktiles = (p->Sk + BK - 1) / BK;
+  const uint16_t *k = (const uint16_t *)p->k, *v = (const uint16_t *)p->v;
+  float *dq_part = p->workspace + split * p->B * p->Hq * p->Sq * D;
+  for (int64_t jt = split; jt < ktiles; jt += p->splits) {
+    const int64_t j0 = jt * BK, nk = min64(BK, p->Sk - j0), nk2 = (nk + 1) / 2;
+    memset(w->kt, 0, sizeof(uint32_t) * (size_t)(D2 * BK));
+    memset(w->vt, 0, sizeof(uint32_t) * (size_t)(D2 * BK));
+    pack_pairs_t(w->kt, BK, k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D2);
+    pack_pairs_t(w->vt, BK, v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D2);
+    for (int64_t pp = 0; pp < nk2; ++pp)
+      pack_rows2(w->kr + pp * D, k + q_off(&p->k_st, b, j0 + 2 * pp, hk),
+                 2 * pp + 1 < nk ? k + q_off(&p->k_st, b, j0 + 2 * pp + 1, hk) : NULL, D);
+    memset(w->dk, 0, sizeof(float) * (size_t)(BK * D));
+    memset(w->dv, 0, sizeof(float) * (size_t)(BK * D));
+    const int64_t i_start = p->causal ? j0 / BQ * BQ : 0; /* causal: query i sees key j0 from i = j0 on */
+    for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+      for (int64_t i0 = i_start; i0 < p->Sq; i0 += BQ) bwd_pair_bf16(p, b, h, i0, j0, nk, delta, dq_part, w);
+    store_dkdv(p, b, hk, j0, nk, w->dk, w->dv, D);
+  }
+}
+#endif
 
 /* dq[row] = scale * (sum over splits of the partials, in split order). */
 FO_CLONES static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
@@ -563,9 +712,35 @@ void fo_attn_bwd_cpu(const fo_attn_params *p) {
   const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
+  const int bf16_dot = fwd_bf16_dot(p);
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
 #pragma omp parallel
   {
+#if FO_X86
+    bwd_scratch_bf16 wb;
+    uint32_t *ubuf = NULL;
+    float *fbuf = NULL;
+    if (bf16_dot) {
+      ubuf = calloc((size_t)(3 * D / 2 * BK + 2 * BQ * D / 2 + 2 * BQ / 2 * D + 2 * BQ / 2 * BK + BQ * BK / 2),
+                    sizeof(uint32_t));
+      fbuf = zalloc(2 * BQ * BK + 2 * BK * D + BQ * D);
+      wb.kt = ubuf;
+      wb.vt = wb.kt + D / 2 * BK;
+      wb.kr = wb.vt + D / 2 * BK;
+      wb.qa = wb.kr + BK / 2 * D;
+      wb.da = wb.qa + BQ * D / 2;
+      wb.qr = wb.da + BQ * D / 2;
+      wb.dr = wb.qr + BQ / 2 * D;
+      wb.pq = wb.dr + BQ / 2 * D;
+      wb.sq = wb.pq + BQ / 2 * BK;
+      wb.sk = wb.sq + BQ / 2 * BK;
+      wb.pr = fbuf;
+      wb.ds = wb.pr + BQ * BK;
+      wb.dk = wb.ds + BQ * BK;
+      wb.dv = wb.dk + BK * D;
+      wb.dq = wb.dv + BK * D;
+    }
+#endif
     bwd_scratch w;
     float *buf = zalloc(3 * BQ * Dp + 4 * BK * Dp + Dp * BK + 2 * BQ * BK + 2 * Dp);
     w.q = buf;
@@ -585,10 +760,20 @@ void fo_attn_bwd_cpu(const fo_attn_params *p) {
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t split = task % p->splits, bh = task / p->splits;
+#if FO_X86
+      if (bf16_dot) {
+        bwd_task_bf16(p, bh / p->Hkv, bh % p->Hkv, split, delta, &wb);
+        continue;
+      }
+#endif
       bwd_task(p, bh / p->Hkv, bh % p->Hkv, split, delta, &w);
     }
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, w.tmp);
     free(buf);
+#if FO_X86
+    free(ubuf);
+    free(fbuf);
+#endif
   }
 }
