@@ -307,6 +307,58 @@ FO_TARGET_V4_BF16 static inline __m512i pairs16(__m256i x, __m256i y) {
   return _mm512_or_si512(_mm512_cvtepu16_epi32(x), _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
 }
 
+/* dst[p * ld + r] = pair p (along D) of row r, n rows from base + off0, rows
+ * stride apart (bf16 elements). */
+FO_TARGET_V4_BF16 static inline void pack_pairs_t(uint32_t *dst, int64_t ld, const uint16_t *base,
+                                                  int64_t off0, int64_t stride, int64_t n, int64_t D2) {
+  for (int64_t r = 0; r < n; ++r) {
+    const pair_u *row = (const pair_u *)(base + off0 + r * stride);
+    for (int64_t pp = 0; pp < D2; ++pp) dst[pp * ld + r] = row[pp];
+  }
+}
+
+/* dst[c] = (a[c], b[c]) for n (a multiple of 16) bf16 columns; b NULL: zeros. */
+FO_TARGET_V4_BF16 static inline void pack_rows2(uint32_t *dst, const uint16_t *a, const uint16_t *b, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(a + c));
+    const __m256i y = b ? _mm256_loadu_si256((const __m256i *)(b + c)) : _mm256_setzero_si256();
+    _mm512_storeu_si512(dst + c, pairs16(x, y));
+  }
+}
+
+/* The same from fp32 rows, rounded to bf16. */
+FO_TARGET_V4_BF16 static inline void pack_rows2_f32(uint32_t *dst, const float *a, const float *b, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + c));
+    const __m256i y = b ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + c)) : _mm256_setzero_si256();
+    _mm512_storeu_si512(dst + c, pairs16(x, y));
+  }
+}
+
+/* An fp32 row rounded to bf16 in place order: pairs of adjacent columns, n a
+ * multiple of 32. */
+FO_TARGET_V4_BF16 static inline void pack_row_f32(uint32_t *dst, const float *src, int64_t n) {
+  for (int64_t c = 0; c < n; c += 32)
+    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16),
+                                                                   _mm512_loadu_ps(src + c)));
+}
+
+/* A tile's rows as pairs along D for a product's A operand: in place where
+ * every row of the rounded-up count exists and rows are a whole number of
+ * pairs apart, else copied into pad (zeros past n). *rs: the row stride in pairs. */
+FO_TARGET_V4_BF16 static inline const pair_u *rows_as_pairs(const uint16_t *base, const fo_attn_strides *st,
+                                                            int64_t b, int64_t i0, int64_t h, int64_t n,
+                                                            int64_t m, int64_t D, uint32_t *pad, int64_t *rs) {
+  if (n == m && !(st->seq & 1)) {
+    *rs = st->seq / 2;
+    return (const pair_u *)(base + q_off(st, b, i0, h));
+  }
+  memset(pad, 0, sizeof(uint32_t) * (size_t)(m * D / 2));
+  for (int64_t r = 0; r < n; ++r) memcpy(pad + r * D / 2, base + q_off(st, b, i0 + r, h), (size_t)D * 2);
+  *rs = D / 2;
+  return (const pair_u *)pad;
+}
+
 typedef struct fwd_scratch_bf16 {
   uint32_t *qt;   /* [D/2, BQ]: Q^T pairs, pair p of query i at qt[p * BQ + i] (zeros past nq) */
   uint32_t *k;    /* [BK, D/2]: a tail tile's K rows (zeros past nk); full tiles are read in place */
@@ -325,25 +377,15 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, 
   const uint16_t *q = (const uint16_t *)p->q, *kb = (const uint16_t *)p->k, *vb = (const uint16_t *)p->v;
   /* Q^T pairs (queries past nq: zeros) */
   memset(w->qt, 0, sizeof(uint32_t) * (size_t)(D2 * BQ));
-  for (int64_t i = 0; i < nq; ++i) {
-    const pair_u *row = (const pair_u *)(q + q_off(&p->q_st, b, i0 + i, h));
-    for (int64_t pp = 0; pp < D2; ++pp) w->qt[pp * BQ + i] = row[pp];
-  }
+  pack_pairs_t(w->qt, BQ, q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D2);
   start_rows(BQ, w->o, D, w->m, w->l);
   const int64_t kend = key_end(p, i0, nq);
   for (int64_t j0 = 0; j0 < kend; j0 += BK) {
     const int64_t nk = min64(BK, kend - j0), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
     /* S^T = K Q^T: K rows in place, or (a tail tile) copied and zero-padded to mk */
-    const pair_u *krows = (const pair_u *)(kb + q_off(&p->k_st, b, j0, hk));
-    int64_t krs = p->k_st.seq; /* in bf16 elements; / 2 below for pairs, as the row start allows */
-    if (nk < mk || (krs & 1)) {
-      memset(w->k, 0, sizeof(uint32_t) * (size_t)(mk * D2));
-      for (int64_t c = 0; c < nk; ++c)
-        memcpy(w->k + c * D2, kb + q_off(&p->k_st, b, j0 + c, hk), (size_t)D * 2);
-      krows = (const pair_u *)w->k;
-      krs = D;
-    }
-    gemm_bf16(mk, nq32, D2, krows, krs / 2, 1, w->qt, BQ, w->st, BQ, 0);
+    int64_t krs;
+    const pair_u *krows = rows_as_pairs(kb, &p->k_st, b, j0, hk, nk, mk, D, w->k, &krs);
+    gemm_bf16(mk, nq32, D2, krows, krs, 1, w->qt, BQ, w->st, BQ, 0);
     /* online softmax down the key rows, 8 queries a vector */
     for (int64_t i = 0; i < nq32; i += 8) {
       const v8i qi = v8_iota(i0 + i - j0); /* query - j0 of each lane */
@@ -372,19 +414,9 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, 
     /* P^T and V as bf16 pairs of keys (an odd last key paired with zeros) */
     for (int64_t pp = 0; pp < nk2; ++pp) {
       const int two = 2 * pp + 1 < nk;
-      for (int64_t i = 0; i < nq32; i += 16) {
-        const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->st + 2 * pp * BQ + i));
-        const __m256i y = two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w->st + (2 * pp + 1) * BQ + i))
-                              : _mm256_setzero_si256();
-        _mm512_storeu_si512(w->pt + pp * BQ + i, pairs16(x, y));
-      }
-      const uint16_t *v0 = vb + q_off(&p->v_st, b, j0 + 2 * pp, hk);
-      const uint16_t *v1 = two ? vb + q_off(&p->v_st, b, j0 + 2 * pp + 1, hk) : NULL;
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(v0 + d));
-        const __m256i y = two ? _mm256_loadu_si256((const __m256i *)(v1 + d)) : _mm256_setzero_si256();
-        _mm512_storeu_si512(w->v + pp * D + d, pairs16(x, y));
-      }
+      pack_rows2_f32(w->pt + pp * BQ, w->st + 2 * pp * BQ, two ? w->st + (2 * pp + 1) * BQ : NULL, nq32);
+      pack_rows2(w->v + pp * D, vb + q_off(&p->v_st, b, j0 + 2 * pp, hk),
+                 two ? vb + q_off(&p->v_st, b, j0 + 2 * pp + 1, hk) : NULL, D);
     }
     /* O += P V: A(i, p) = P^T pair p of query i */
     gemm_bf16(mq, D, nk2, (const pair_u *)w->pt, 1, BQ, w->v, D, w->o, D, 1);
@@ -393,8 +425,8 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, 
 }
 #endif
 
-/* Whether the forward takes the bf16 tiles above. */
-static int fwd_bf16_dot(const fo_attn_params *p) {
+/* Whether a call takes the bf16 tiles (the forward above, the backward below). */
+static int bf16_dot_tiles(const fo_attn_params *p) {
 #if FO_X86
   return p->dtype == FO_BF16 && p->D % 32 == 0 && fo_cpu_isa() >= FO_ISA_V4_BF16;
 #else
@@ -406,7 +438,7 @@ static int fwd_bf16_dot(const fo_attn_params *p) {
 void fo_attn_fwd_cpu(const fo_attn_params *p) {
   const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
   const int64_t tasks = p->B * p->Hq * qtiles;
-  const int bf16_dot = fwd_bf16_dot(p);
+  const int bf16_dot = bf16_dot_tiles(p);
 #pragma omp parallel if (tasks > 1)
   {
 #if FO_X86
@@ -568,7 +600,7 @@ FO_CLONES static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, i
 
 #if FO_X86
 /* ------------------------------------------ backward, bf16 with AVX512-BF16
- * Where the forward takes its bf16 tiles (fwd_bf16_dot), the backward's five
+ * Where the forward takes its bf16 tiles (bf16_dot_tiles), the backward's five
  * products run on vdpbf16ps too, each operand as bf16 pairs along the
  * product's inner dimension: S = Q K^T and dP = dO V^T with Q, dO rows read
  * in place and K^T, V^T packed once per key tile; dV += P^T dO and dK += dS^T
@@ -586,58 +618,6 @@ typedef struct bwd_scratch_bf16 {
   float *dk, *dv;    /* [BK, D] */
   float *dq;         /* [BQ, D] */
 } bwd_scratch_bf16;
-
-/* dst[p * ld + r] = pair p (along D) of row r, n rows from base + off0, rows
- * stride apart (bf16 elements). */
-FO_TARGET_V4_BF16 static inline void pack_pairs_t(uint32_t *dst, int64_t ld, const uint16_t *base,
-                                                  int64_t off0, int64_t stride, int64_t n, int64_t D2) {
-  for (int64_t r = 0; r < n; ++r) {
-    const pair_u *row = (const pair_u *)(base + off0 + r * stride);
-    for (int64_t pp = 0; pp < D2; ++pp) dst[pp * ld + r] = row[pp];
-  }
-}
-
-/* dst[c] = (a[c], b[c]) for n (a multiple of 16) bf16 columns; b NULL: zeros. */
-FO_TARGET_V4_BF16 static inline void pack_rows2(uint32_t *dst, const uint16_t *a, const uint16_t *b, int64_t n) {
-  for (int64_t c = 0; c < n; c += 16) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)(a + c));
-    const __m256i y = b ? _mm256_loadu_si256((const __m256i *)(b + c)) : _mm256_setzero_si256();
-    _mm512_storeu_si512(dst + c, pairs16(x, y));
-  }
-}
-
-/* The same from fp32 rows, rounded to bf16. */
-FO_TARGET_V4_BF16 static inline void pack_rows2_f32(uint32_t *dst, const float *a, const float *b, int64_t n) {
-  for (int64_t c = 0; c < n; c += 16) {
-    const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + c));
-    const __m256i y = b ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + c)) : _mm256_setzero_si256();
-    _mm512_storeu_si512(dst + c, pairs16(x, y));
-  }
-}
-
-/* An fp32 row rounded to bf16 in place order: pairs of adjacent columns, n a
- * multiple of 32. */
-FO_TARGET_V4_BF16 static inline void pack_row_f32(uint32_t *dst, const float *src, int64_t n) {
-  for (int64_t c = 0; c < n; c += 32)
-    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16),
-                                                                   _mm512_loadu_ps(src + c)));
-}
-
-/* A tile's rows as pairs along D for a product's A operand: in place where
- * every row of the rounded-up count exists and rows are a whole number of
- * pairs apart, else copied into pad (zeros past n). *rs: the row stride in pairs. */
-FO_TARGET_V4_BF16 static inline const pair_u *rows_as_pairs(const uint16_t *base, const fo_attn_strides *st,
-                                                            int64_t b, int64_t i0, int64_t h, int64_t n,
-                                                            int64_t m, int64_t D, uint32_t *pad, int64_t *rs) {
-  if (n == m && !(st->seq & 1)) {
-    *rs = st->seq / 2;
-    return (const pair_u *)(base + q_off(st, b, i0, h));
-  }
-  memset(pad, 0, sizeof(uint32_t) * (size_t)(m * D / 2));
-  for (int64_t r = 0; r < n; ++r) memcpy(pad + r * D / 2, base + q_off(st, b, i0 + r, h), (size_t)D * 2);
-  *rs = D / 2;
-  return (const pair_u *)pad;
-}
 
 FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
                                             int64_t j0, int64_t nk, const float *delta, float *dq_part,
@@ -712,7 +692,7 @@ void fo_attn_bwd_cpu(const fo_attn_params *p) {
   const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
-  const int bf16_dot = fwd_bf16_dot(p);
+  const int bf16_dot = bf16_dot_tiles(p);
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
 #pragma omp parallel
   {
