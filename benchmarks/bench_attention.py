@@ -39,6 +39,8 @@ CPU_SHAPES = [(2, 8, 1024, 64, False), (2, 8, 1024, 64, True), (1, 8, 1024, 128,
 # Sequence-length sweep (--sweep): B x S fixed, head dim 128, causal.
 SWEEP_SEQ = [512, 1024, 2048, 4096, 8192, 16384]
 SWEEP_TOKENS = {"cuda": 32768, "cpu": 4096}
+# Also with --sweep on the GPU: head dim 256 (the mma.sync kernels on every GPU).
+SWEEP_D256 = [(4, 16, 2048, 256, False), (4, 16, 2048, 256, True)]
 
 
 def _sdpa(backend):
@@ -126,6 +128,8 @@ def _shapes(device, quick, sweep):
         tokens = SWEEP_TOKENS["cuda" if gpu else "cpu"]
         shapes = shapes + [(max(1, tokens // s), 16 if gpu else 4, s, 128, True)
                            for s in SWEEP_SEQ if s <= tokens]
+        if gpu:
+            shapes += SWEEP_D256
     return list(dict.fromkeys(shapes))
 
 

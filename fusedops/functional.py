@@ -225,7 +225,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Head dims the CUDA kernels take (csrc/attention/attention_{fwd,bwd}_cuda.cu),
 # and below whether each direction is built; the CPU kernels take every head
 # dim and dtype above.
-CUDA_HEAD_DIMS = (32, 64, 96, 128)
+CUDA_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 def _has_cuda_kernel(op):

@@ -183,7 +183,7 @@ def test_against_reference(device, c):
 
 # Sizes for the GPU (too slow for the float64 reference on the CPU, which runs
 # the same tiling at 1023): several key and query tiles with tails, causal
-# with Sq != Sk both ways, GQA and MQA, both head dims, transposed views.
+# with Sq != Sk both ways, GQA and MQA, every head dim, transposed views.
 CUDA_CASES = [Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=1, D=128, causal=True),
               Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=2, D=64, causal=False, dtype=torch.float16),
               Case(B=1, Sq=1000, Sk=3000, Hq=4, Hkv=1, D=64, causal=True, dtype=torch.float16),
@@ -192,6 +192,9 @@ CUDA_CASES = [Case(B=1, Sq=4097, Sk=4097, Hq=2, Hkv=1, D=128, causal=True),
                    scale=0.2),
               Case(B=2, Sq=1500, Sk=1100, Hq=4, Hkv=1, D=32, causal=True),
               Case(B=1, Sq=1100, Sk=1500, Hq=4, Hkv=2, D=96, causal=True, dtype=torch.float16,
+                   layout="bhsd"),
+              Case(B=2, Sq=700, Sk=1100, Hq=4, Hkv=2, D=256, causal=True),
+              Case(B=1, Sq=1500, Sk=600, Hq=3, Hkv=1, D=256, causal=False, dtype=torch.float16,
                    layout="bhsd")]
 
 
@@ -529,7 +532,7 @@ def test_bad_input_bwd(device, over, match):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype,D,match", [(torch.float32, 64, r"q has dtype float32, expected float16 or bfloat16 on CUDA"),
-                                           (torch.bfloat16, 48, r"q has head_dim 48, expected 32, 64, 96 or 128 on CUDA")],
+                                           (torch.bfloat16, 48, r"q has head_dim 48, expected 32, 64, 96, 128 or 256 on CUDA")],
                          ids=["float32", "head_dim"])
 def test_bad_input_bwd_cuda(dtype, D, match):
     """What the CUDA backward is not built for is refused by name (a forward

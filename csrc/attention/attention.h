@@ -48,6 +48,9 @@ typedef struct fo_attn_params {
   float scale;
   int causal;
   int deterministic;         /* backward: bitwise-repeatable gradients */
+  int wgmma;                 /* CUDA: the Hopper kernels take the call; the shim sets it once
+                                (fo_attn_wgmma_applies), so that the backward's workspace size
+                                and its launches agree */
   fo_dtype dtype;
 } fo_attn_params;
 
@@ -69,18 +72,20 @@ void fo_attn_bwd_cpu(const fo_attn_params *p);
  * cudaStream_t); return NULL on success or a static message naming the error.
  * The backward adds dq with fp32 atomics where fo_attn_bwd_cuda_atomic_dq. */
 const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
-/* Whether the Hopper kernels (attention_*_wgmma_cuda.cu) take p: head dim 64
- * or 128 on a 9.0 GPU, in a build with sm_90a code, unless the environment
- * sets FUSEDOPS_ATTN_WGMMA=0 (read at every call). The forward also needs
- * scale > 0: fo_attn_fwd_wgmma_applies. */
+/* Whether the Hopper kernels (attention_*_wgmma_cuda.cu) can take p: head dim
+ * 64 or 128 on the current device if it is a 9.0 GPU, in a build with sm_90a
+ * code, unless the environment sets FUSEDOPS_ATTN_WGMMA=0 (read at every
+ * call). The shim asks once a call and sets p->wgmma; the forward takes it
+ * where scale > 0 as well. */
 int fo_attn_wgmma_applies(const fo_attn_params *p);
-int fo_attn_fwd_wgmma_applies(const fo_attn_params *p);
 const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 /* Whether the CUDA backward adds dq with fp32 atomics (mma.sync kernel) or
  * bulk reductions (wgmma kernel) instead of its deterministic dq kernel:
  * only where that is faster (mma.sync: head dims up to 64, measured equal at
  * 128; wgmma: 64 and 128; docs/perf-notes.md) and determinism is not asked for. */
-int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p);
+static inline int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
+  return !p->deterministic && (p->D <= 64 || p->wgmma);
+}
 /* The backward's per-row scratch has Sq rounded up to 64 rows (the wgmma
  * kernel's query tile) for each (batch, q head). */
 FO_ATTN_HD static inline int64_t fo_attn_bwd_rows(const fo_attn_params *p) { return (p->Sq + 63) & ~(int64_t)63; }
@@ -97,7 +102,7 @@ static inline int64_t fo_attn_bwd_cuda_workspace(const fo_attn_params *p) {
          (fo_attn_bwd_cuda_atomic_dq(p) ? p->B * p->Hq * fo_attn_bwd_rows(p) * p->D : 0);
 }
 /* The Hopper dK, dV kernel (and dq, where atomic), launched by
- * fo_attn_bwd_cuda after the delta kernel where fo_attn_wgmma_applies. */
+ * fo_attn_bwd_cuda after the delta kernel where p->wgmma. */
 const char *fo_attn_bwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream);
 

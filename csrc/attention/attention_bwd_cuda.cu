@@ -25,9 +25,9 @@
 //     products (S and dP computed in both kernels), bitwise repeatable.
 // v0: every warp 16 rows, dQ kernel always; v1: 32 rows a warp at D = 64,
 // where the accumulators leave room (at D = 128 they do not); v2: atomics.
-// On Hopper (fo_attn_wgmma_applies: D = 64 and 128 on a 9.0 GPU) step 2, dQ
+// On Hopper (p->wgmma, fo_attn_wgmma_applies: D = 64 and 128 on a 9.0 GPU) step 2, dQ
 // included unless deterministic, is attention_bwd_wgmma_cuda.cu instead.
-// Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
+// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
 // dense by the shim's allocation (32-bit stores of element pairs).
@@ -50,18 +50,23 @@ constexpr int kThreads = kWarps * 32;
 // memory then feeds MT mma. The fp32 accumulators bound MT and the tiles
 // beside them (every shape here is the largest that ptxas kept out of local
 // memory on sm_80 and sm_90): at D = 128 the dK, dV of 16 keys already take
-// 128 registers, so MT = 1 there.
+// 128 registers, so MT = 1 there. At D = 256 they would take 256: a dK/dV
+// block owns half the columns (kCols; gridDim.z = 2 halves), computing S^T
+// and dP^T over all of D as the other half's block does (1.5x the FLOPs of
+// one block for both). Tiles at D = 256 keep shared memory within the 99 KB
+// an sm_86 / sm_89 block may have.
 template <int D>
 struct Cfg {
   static constexpr int kMTk = D <= 64 ? 2 : 1;      // dK/dV: key m-tiles per warp
   static constexpr int kKeys = kWarps * 16 * kMTk;  // keys per dK/dV block
-  static constexpr int kQTile = 64;                 // query tile the dK/dV block streams
-  static constexpr int kSub = D <= 64 ? 16 : 32;    // queries per pass over a query tile
+  static constexpr int kCols = D <= 128 ? D : D / 2;  // dK/dV columns per block
+  static constexpr int kQTile = D <= 128 ? 64 : 16; // query tile the dK/dV block streams
+  static constexpr int kSub = D <= 64 ? 16 : D <= 128 ? 32 : 16;  // queries per pass over a query tile
   static constexpr int kSubDq = 16;                 // the same with dQ in the pass (atomic path)
   static constexpr int kSubUnroll = D <= 64 ? 1 : 2;  // passes unrolled (more spilled; 1 with dQ)
   static constexpr int kMTq = D <= 64 ? 2 : 1;      // dQ: query m-tiles per warp
   static constexpr int kRows = kWarps * 16 * kMTq;  // query rows per dQ block
-  static constexpr int kKTile = D <= 64 ? 32 : 64;  // keys per dQ key tile
+  static constexpr int kKTile = D <= 64 ? 32 : D <= 128 ? 64 : 16;  // keys per dQ key tile
 };
 
 // ---------------------------------------------------------------- 1. delta
@@ -70,7 +75,7 @@ struct Cfg {
 // group takes elements 8c..8c+7 (16-byte loads and stores).
 constexpr int kRowBlock = 256;
 template <int D>
-constexpr int kRowThreads = D <= 32 ? 4 : D <= 64 ? 8 : 16;
+constexpr int kRowThreads = D <= 32 ? 4 : D <= 64 ? 8 : D <= 128 ? 16 : 32;
 template <int D>
 __device__ __forceinline__ int64_t group_row() {
   return static_cast<int64_t>(blockIdx.x) * (kRowBlock / kRowThreads<D>) + threadIdx.x / kRowThreads<D>;
@@ -199,7 +204,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
                                                                  int64_t rows) {
   using C = Cfg<D>;
   constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile;
-  constexpr int kSub = kDq ? C::kSubDq : C::kSub;
+  constexpr int kSub = kDq ? C::kSubDq : C::kSub, kCols = C::kCols;
+  static_assert(!kDq || kCols == D, "attn_bwd_dkdv_kernel: dQ in the pass needs all of D");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sK = reinterpret_cast<T *>(smem_raw);
   T *sV = sK + kKeys * D;
@@ -213,6 +219,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   const int g = lane / 4, tig = lane % 4;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv;
+  // This block's dK, dV columns: [c0, c0 + kCols) (a constant 0 where it has all).
+  const int c0 = kCols == D ? 0 : static_cast<int>(blockIdx.z) * kCols;
   const int64_t group = p.Hq / p.Hkv;
   const float scale2 = p.scale * kLog2e;
 
@@ -251,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   if (n_items > 0) prefetch(0, 0);
   cp_async_commit();
 
-  float dk[MT][D / 8][4], dv[MT][D / 8][4];
+  float dk[MT][kCols / 8][4], dv[MT][kCols / 8][4];
   zero(dk);
   zero(dv);
   const int key0 = warp * 16 * MT;  // this warp's first key, from j0
@@ -298,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
               if (diag && key_l[mt][r] + off > ql) x = -INFINITY;
               pt[mt][t][2 * r + e] = exp2_approx(x);
             }
-      gemm_pb<D, kSub>(dv, pt, do_s);  // dV += P^T dO
+      gemm_pb<D, kSub>(dv, pt, do_s, c0 / 16);  // dV += P^T dO
 
       float ds[MT][kSub / 8][4];  // dP^T, then dS^T
       zero(ds);
@@ -325,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
               *reinterpret_cast<uint32_t *>(sds + ds_swz<kSub>(key_l[mt][r], t) + tig * 2) =
                   pack2<T>(ds[mt][t][2 * r], ds[mt][t][2 * r + 1]);
       }
-      gemm_pb<D, kSub>(dk, ds, q_s);  // dK += dS^T Q (scaled at the store)
+      gemm_pb<D, kSub>(dk, ds, q_s, c0 / 16);  // dK += dS^T Q (scaled at the store)
       if constexpr (kDq) {
         // The buffer written two passes ago was last read before the barrier
         // of the previous pass: one barrier a pass orders both.
@@ -346,10 +354,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
     for (int r = 0; r < 2; ++r) {
       const int64_t key = j0 + key_l[mt][r];
       if (key >= p.Sk) continue;
-      T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
-      T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
-      store_row<D>(dkp, dk[mt], r, p.scale);
-      store_row<D>(dvp, dv[mt], r, 1.f);
+      T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq + c0;
+      T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq + c0;
+      store_row(dkp, dk[mt], r, p.scale);
+      store_row(dvp, dv[mt], r, 1.f);
     }
 }
 
@@ -457,7 +465,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
       const int64_t i = i0 + row_l[mt][r];
       if (i >= p.Sq) continue;
       T *dqp = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
-      store_row<D>(dqp, dq[mt], r, p.scale);
+      store_row(dqp, dq[mt], r, p.scale);
     }
 }
 
@@ -482,10 +490,10 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   if (const char *e = fo::last_error()) return e;
 
   const dim3 grid_kv(static_cast<unsigned>((p.Sk + C::kKeys - 1) / C::kKeys),
-                     static_cast<unsigned>(p.B * p.Hkv));
+                     static_cast<unsigned>(p.B * p.Hkv), D / C::kCols);
   constexpr size_t smem_kv =
       (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
-  if (fo_attn_wgmma_applies(&p)) {  // dK, dV (and an atomic dq) on Hopper
+  if (p.wgmma) {  // dK, dV (and an atomic dq) on Hopper
     if (const char *e = fo_attn_bwd_wgmma_cuda(&p, stream)) return e;
     if (atomic) return nullptr;
   } else if (!atomic) {
@@ -513,10 +521,6 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
 }
 
 }  // namespace
-
-extern "C" int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
-  return !p->deterministic && (p->D <= 64 || fo_attn_wgmma_applies(p));
-}
 
 extern "C" const char *fo_attn_bwd_cuda(const fo_attn_params *p, void *stream) {
   if (p->B * p->Hq == 0 || p->Sq == 0 || p->Sk == 0) return nullptr;  // the shim fills those

@@ -32,7 +32,7 @@
 // run to run; deterministic = 1 takes the dQ kernel instead.
 // Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, the strides of attention_bwd_cuda.cu. Built only for sm_90a
-// (the kernel bodies are empty elsewhere); fo_attn_wgmma_applies picks it.
+// (the kernel bodies are empty elsewhere); p->wgmma (fo_attn_wgmma_applies) picks it.
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_sm90.cuh"
@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (key >= p.Sk) continue;
     T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
     T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
-    store_row<D>(dkp, dk, r, p.scale);
-    store_row<D>(dvp, dv, r, 1.f);
+    store_row(dkp, dk, r, p.scale);
+    store_row(dvp, dv, r, 1.f);
   }
 #endif
 }

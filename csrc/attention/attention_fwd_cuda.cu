@@ -13,7 +13,7 @@
 // sum and the output stay in fp32 registers; P is rounded to the input dtype
 // and fed to the next mma straight from the accumulator layout. Shared rows
 // are 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix).
-// Head dims 32, 64, 96 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk
+// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, causal (top-left) or not, any Sq / Sk
 // (zero-filled tail tiles, masked), grouped-query (kv head = h / (Hq / Hkv)),
 // any 64-bit strides that are multiples of 8 elements on a 16-byte aligned
 // base (the shim copies other inputs).
@@ -28,35 +28,43 @@ namespace {
 
 using namespace fo_attn;
 
-constexpr int kMT = 2;                    // 16-row m-tiles per warp
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kBlockM = kWarps * 16 * kMT;  // 128 query rows per block (32 per warp)
-// Keys per tile: 64, or 32 at D = 128 where the 32 x 128 output accumulators
-// leave no room for a 32 x 64 score tile (ptxas spilled it).
+// 16-row m-tiles a warp: two (32 query rows, 128 a block), or one at D = 256
+// where 32 x 256 output accumulators would take 256 registers a thread.
 template <int D>
-constexpr int kBlockN = D <= 96 ? 64 : 32;
+constexpr int kMT = D <= 128 ? 2 : 1;
+template <int D>
+constexpr int kBlockM = kWarps * 16 * kMT<D>;
+// Keys per tile: 64, or 32 at D = 128 where the 32 x 128 output accumulators
+// leave no room for a 32 x 64 score tile (ptxas spilled it). At D = 256 a
+// warp's 16 x 256 outputs take what 32 x 128 take at D = 128, and 64 keys'
+// scores what 32 take there; shared memory: 96 KB, inside the 99 KB an
+// sm_86 / sm_89 block may have.
+template <int D>
+constexpr int kBlockN = D <= 96 ? 64 : D <= 128 ? 32 : 64;
 
 // ---------------------------------------------------------------- the kernel
 template <int D, bool kCausal, class T>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params p) {
   // Q fragments stay in registers at D = 64; at D = 128 they would push the
-  // 32 x 128 output accumulators past 255 registers, so they are re-read
-  // from shared memory for every key tile.
+  // 32 x 128 output accumulators past 255 registers (at D = 256 the 16 x 256
+  // ones), so they are re-read from shared memory for every key tile.
   constexpr bool kQRegs = D <= 64;
+  constexpr int MT = kMT<D>, BM = kBlockM<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw);
-  T *sK = sQ + kBlockM * D;
+  T *sK = sQ + BM * D;
   T *sV = sK + kBlockN<D> * D;
 
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;  // g: mma fragment row group
-  const FwdBlock<T, kBlockM, kBlockN<D>, kCausal> blk(p);
+  const FwdBlock<T, BM, kBlockN<D>, kCausal> blk(p);
   const int64_t i0 = blk.i0;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
   const int q_rows = blk.q_rows, n_tiles = blk.n_tiles;
   const float scale2 = p.scale * kLog2e;
 
-  load_tile<D, kThreads>(sQ, q, p.q_st.seq, kBlockM, q_rows);
+  load_tile<D, kThreads>(sQ, q, p.q_st.seq, BM, q_rows);
   cp_async_commit();
   if (n_tiles > 0) load_tile<D, kThreads>(sK, k, p.k_st.seq, kBlockN<D>, static_cast<int>(imin(kBlockN<D>, p.Sk)));
   cp_async_commit();
@@ -64,25 +72,25 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   __syncthreads();
 
   // This warp's rows: warp * 32 + 16 mt + g + 8 r (block-local).
-  uint32_t qf[kQRegs ? D / 16 : 1][kQRegs ? kMT : 1][4];
+  uint32_t qf[kQRegs ? D / 16 : 1][kQRegs ? MT : 1][4];
   if constexpr (kQRegs) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) ld_a<D>(qf[kk][mt], sQ, warp * 16 * kMT + 16 * mt, kk);
+      for (int mt = 0; mt < MT; ++mt) ld_a<D>(qf[kk][mt], sQ, warp * 16 * MT + 16 * mt, kk);
   }
 
-  float o[kMT][D / 8][4];  // output accumulators
+  float o[MT][D / 8][4];  // output accumulators
   zero(o);
-  float m[kMT][2], l[kMT][2];  // running max (log2 units), this thread's share of the sums
-  int row_l[kMT][2];
+  float m[MT][2], l[MT][2];  // running max (log2 units), this thread's share of the sums
+  int row_l[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       m[mt][r] = -INFINITY;
       l[mt][r] = 0.f;
-      row_l[mt][r] = warp * 16 * kMT + 16 * mt + g + 8 * r;
+      row_l[mt][r] = warp * 16 * MT + 16 * mt + g + 8 * r;
     }
 
   for (int j = 0; j < n_tiles; ++j) {
@@ -93,12 +101,12 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
     __syncthreads();
 
-    float s[kMT][kBlockN<D> / 8][4];  // S = Q K_j^T
+    float s[MT][kBlockN<D> / 8][4];  // S = Q K_j^T
     zero(s);
     if constexpr (kQRegs)
       gemm_abt_reg<D, kBlockN<D>>(s, qf, sK);
     else
-      gemm_abt<D, kBlockN<D>>(s, sQ, warp * 16 * kMT, sK);
+      gemm_abt<D, kBlockN<D>>(s, sQ, warp * 16 * MT, sK);
     __syncthreads();  // every warp is done with sK
     if (j + 1 < n_tiles)
       load_tile<D, kThreads>(sK, k + (j0 + kBlockN<D>) * p.k_st.seq, p.k_st.seq, kBlockN<D>,
@@ -108,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     // Online softmax over this tile (masked only where it needs it).
     const bool edge = k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
       float alpha[2];
       softmax_tile<kBlockN<D>, kCausal, false>(s[mt], m[mt], l[mt], alpha, row_l[mt], edge, k_rows,
                                                static_cast<int>(j0 - i0), scale2);
@@ -122,20 +130,20 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   }
 
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[mt][r], o[mt], r, m[mt][r], l[mt][r]);
 }
 
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
-  constexpr size_t smem = (kBlockM + 2 * kBlockN<D>) * D * sizeof(T);
+  constexpr size_t smem = (kBlockM<D> + 2 * kBlockN<D>) * D * sizeof(T);
   auto kernel = attn_fwd_kernel<D, kCausal, T>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
           cudaSuccess)
     return fo::last_error();
-  const dim3 grid(static_cast<unsigned>((p.Sq + kBlockM - 1) / kBlockM),
+  const dim3 grid(static_cast<unsigned>((p.Sq + kBlockM<D> - 1) / kBlockM<D>),
                   static_cast<unsigned>(p.B * p.Hq));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return fo::last_error();
@@ -146,7 +154,8 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
 extern "C" const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream) {
   if (p->B * p->Hq == 0 || p->Sq == 0) return nullptr;
   if (p->B * p->Hq > 65535) return "fo_attn_fwd_cuda: batch x heads above 65535";
-  if (fo_attn_fwd_wgmma_applies(p)) return fo_attn_fwd_wgmma_cuda(p, stream);
+  // scale > 0: the wgmma forward takes the row max of the raw scores (softmax_tile's kFoldScale).
+  if (p->wgmma && p->scale > 0.f) return fo_attn_fwd_wgmma_cuda(p, stream);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) {
     return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);

@@ -23,7 +23,7 @@
 //
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
 // FUSEDOPS_SM90A); for other archs the kernel body is empty, and
-// fo_attn_fwd_wgmma_applies() takes it only on a 9.0 GPU in a build with 9.0a.
+// fo_attn_fwd_cuda takes it only where p->wgmma (a 9.0 GPU, a build with 9.0a) and scale > 0.
 #include <stdlib.h>
 
 #include "attention.h"
@@ -230,10 +230,6 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
   const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
   if (e && e[0] == '0') return 0;
   return fo::compute_capability(fo::current_device()) == 90;  // the sm_90a cubin runs on 9.0 only
-}
-
-extern "C" int fo_attn_fwd_wgmma_applies(const fo_attn_params *p) {
-  return p->scale > 0.f && fo_attn_wgmma_applies(p);  // scale: softmax_tile's kFoldScale
 }
 
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {

@@ -214,11 +214,13 @@ __device__ __forceinline__ void gemm_abt_reg(float (&acc)[MT][N / 8][4],
   for (int kk = 0; kk < D / 16; ++kk) mma_kstep<D, N>(acc, a[kk], sB, kk);
 }
 
-// acc[mt] (16 x D) += P[mt] B: P (16 x N) from fp32 accumulators (rounded to
-// T), B = sB [N, D]. (O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K.)
-template <int D, int N, int MT, class T>
-__device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float (&pm)[MT][N / 8][4],
-                                        const T *sB) {
+// acc[mt] (16 x 8 NT) += P[mt] B: P (16 x N) from fp32 accumulators (rounded
+// to T), B = columns [16 dp0, 16 dp0 + 8 NT) of sB [N, D] (all of them: NT =
+// D / 8, dp0 = 0). (O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K.)
+template <int D, int N, int MT, int NT, class T>
+__device__ __forceinline__ void gemm_pb(float (&acc)[MT][NT][4], const float (&pm)[MT][N / 8][4],
+                                        const T *sB, int dp0 = 0) {
+  static_assert(NT % 2 == 0 && NT <= D / 8, "gemm_pb: columns");
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
     uint32_t a[MT][4];
@@ -230,9 +232,9 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
       a[mt][3] = pack2<T>(pm[mt][2 * kk + 1][2], pm[mt][2 * kk + 1][3]);
     }
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
+    for (int dp = 0; dp < NT / 2; ++dp) {
       uint32_t b[4];
-      ld_b_trans<D>(b, sB, kk * 16, dp);
+      ld_b_trans<D>(b, sB, kk * 16, dp0 + dp);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma16816<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
@@ -242,13 +244,13 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
   }
 }
 
-// Row r (0: g, 1: g + 8) of a warp's 16 x D fp32 accumulator tile, times mul,
-// rounded to T and stored to dst[0, D) as 32-bit element pairs.
-template <int D, class T>
-__device__ __forceinline__ void store_row(T *dst, const float (&acc)[D / 8][4], int r, float mul) {
+// Row r (0: g, 1: g + 8) of a warp's 16 x 8 NT fp32 accumulator tile, times
+// mul, rounded to T and stored to dst[0, 8 NT) as 32-bit element pairs.
+template <int NT, class T>
+__device__ __forceinline__ void store_row(T *dst, const float (&acc)[NT][4], int r, float mul) {
   const int tig = threadIdx.x & 3;
 #pragma unroll
-  for (int t = 0; t < D / 8; ++t)
+  for (int t = 0; t < NT; ++t)
     *reinterpret_cast<uint32_t *>(dst + t * 8 + tig * 2) =
         pack2<T>(acc[t][2 * r] * mul, acc[t][2 * r + 1] * mul);
 }
@@ -355,7 +357,7 @@ __device__ __forceinline__ void store_out_row(const fo_attn_params &p, const Blo
   if (row >= p.Sq) return;
   const float inv = l != 0.f ? 1.f / l : 0.f;
   T *out = static_cast<T *>(p.out) + blk.b * p.out_st.batch + blk.h * p.out_st.head + row * p.out_st.seq;
-  store_row<D>(out, o, r, inv);
+  store_row(out, o, r, inv);
   if (threadIdx.x % 4 == 0)
     p.lse[blk.b * p.lse_st.batch + blk.h * p.lse_st.head + row * p.lse_st.seq] =
         l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
@@ -377,7 +379,8 @@ const char *dispatch(const fo_attn_params &p, F &&f) {
       case 64: return causal(std::integral_constant<int, 64>{}, t);
       case 96: return causal(std::integral_constant<int, 96>{}, t);
       case 128: return causal(std::integral_constant<int, 128>{}, t);
-      default: return "fo_attn_cuda: head dim not built (32, 64, 96 and 128 are)";
+      case 256: return causal(std::integral_constant<int, 256>{}, t);
+      default: return "fo_attn_cuda: head dim not built (32, 64, 96, 128 and 256 are)";
     }
   };
   switch (p.dtype) {

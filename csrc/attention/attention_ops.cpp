@@ -37,8 +37,8 @@ void check_cuda_fwd(const char *op, const Tensor &q) {
                   op, ": q has dtype ", dtype_name(q.scalar_type()),
                   ", expected float16 or bfloat16 on CUDA");
   const int64_t d = q.size(3);
-  STD_TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, op, ": q has head_dim ", d,
-                  ", expected 32, 64, 96 or 128 on CUDA");
+  STD_TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128 || d == 256, op, ": q has head_dim ", d,
+                  ", expected 32, 64, 96, 128 or 256 on CUDA");
   // One grid row per (batch, head): the CUDA grid's y extent.
   STD_TORCH_CHECK(q.size(0) * q.size(2) <= 65535, op, ": q has batch x heads = ", q.size(0), " x ",
                   q.size(2), " = ", q.size(0) * q.size(2), ", expected at most 65535 on CUDA");
@@ -137,6 +137,7 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   } else {
 #ifdef FUSEDOPS_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    p.wgmma = fo_attn_wgmma_applies(&p);
     const char *err = fo_attn_fwd_cuda(&p, current_cuda_stream(q));
     STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
 #else
@@ -212,6 +213,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
   }
 #ifdef FUSEDOPS_WITH_CUDA
   torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+  p.wgmma = fo_attn_wgmma_applies(&p);  // once: the workspace's size and the launches agree
   Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cuda_workspace(&p)}, ScalarType::Float);
   p.workspace = static_cast<float *>(workspace.data_ptr());
   const char *err = fo_attn_bwd_cuda(&p, current_cuda_stream(q));
