@@ -291,6 +291,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
       zero(pt);
       gemm_abt<D, kSub>(pt, sK, key0, q_s);
       // Causal: key j0 + kl is masked for query q0 + ql when kl + (j0 - q0) > ql.
+      // (A branch without the mask for the passes off the diagonal, as in
+      // softmax_tile, made the causal kernel with dQ spill: kept predicated.)
       const bool diag = kCausal && j0 + kKeys - 1 > q0;
       const int off = static_cast<int>(j0 - q0);
 #pragma unroll
@@ -438,21 +440,27 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
     gemm_abt<D, kKTile>(ds, sdO, row0, v_s);
 
     const int k_lim = static_cast<int>(imin(kKTile, p.Sk - j0));  // keys past it: none
-    const bool edge = k_lim < kKTile || (kCausal && j0 + kKTile - 1 > i0);
     const int off = static_cast<int>(j0 - i0);
+    auto scores_grad = [&](auto masked) {  // the mask only where a tile needs it
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int t = 0; t < kKTile / 8; ++t)
+        for (int t = 0; t < kKTile / 8; ++t)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+          for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int kl = t * 8 + tig * 2 + e;
-            float x = s[mt][t][2 * r + e] * scale2 - l2[mt][r];
-            if (edge && (kl >= k_lim || (kCausal && kl + off > row_l[mt][r]))) x = -INFINITY;
-            ds[mt][t][2 * r + e] = exp2_approx(x) * (ds[mt][t][2 * r + e] - dl[mt][r]);
-          }
+            for (int e = 0; e < 2; ++e) {
+              const int kl = t * 8 + tig * 2 + e;
+              float x = s[mt][t][2 * r + e] * scale2 - l2[mt][r];
+              if constexpr (decltype(masked)::value)
+                if (kl >= k_lim || (kCausal && kl + off > row_l[mt][r])) x = -INFINITY;
+              ds[mt][t][2 * r + e] = exp2_approx(x) * (ds[mt][t][2 * r + e] - dl[mt][r]);
+            }
+    };
+    if (k_lim < kKTile || (kCausal && j0 + kKTile - 1 > i0))
+      scores_grad(std::true_type{});
+    else
+      scores_grad(std::false_type{});
     gemm_pb<D, kKTile>(dq, ds, k_s);  // dQ += dS K (scaled at the store)
     __syncthreads();  // every warp is done with this stage before it is refilled
   }

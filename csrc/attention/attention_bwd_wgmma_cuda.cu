@@ -170,19 +170,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (causal) key j0 + kl above query m0 + ql, i.e. kl + off > ql.
     const int64_t m0 = item_m0(it);
     const int off = static_cast<int>(j0 - m0);
-    const bool edge = k_rows < kKeys || (kCausal && j0 + wg * 64 + 63 > m0);
+    // The mask is compiled into its own branch (edge is warp-uniform): a
+    // runtime test in the element loop is if-converted, and every step paid
+    // for it (as in the forward's softmax_tile).
+    auto probabilities = [&](auto masked) {
 #pragma unroll
-    for (int t = 0; t < kM / 8; ++t) {
-      const float2 l2 = *reinterpret_cast<const float2 *>(sL + st * kM + t * 8 + tig * 2);
+      for (int t = 0; t < kM / 8; ++t) {
+        const float2 l2 = *reinterpret_cast<const float2 *>(sL + st * kM + t * 8 + tig * 2);
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
-          if (edge && (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e))) x = -INFINITY;
-          s[t][2 * r + e] = exp2_approx(x);
-        }
-    }
+          for (int e = 0; e < 2; ++e) {
+            float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
+            if constexpr (decltype(masked)::value)
+              if (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e)) x = -INFINITY;
+            s[t][2 * r + e] = exp2_approx(x);
+          }
+      }
+    };
+    if (k_rows < kKeys || (kCausal && j0 + wg * 64 + 63 > m0))
+      probabilities(std::true_type{});
+    else
+      probabilities(std::false_type{});
     uint32_t pa[kM / 16][4];  // P^T rounded to T: wgmma A fragments, k-step kk = queries 16 kk..
     pack_a<T>(pa, s);
     hold(pa);

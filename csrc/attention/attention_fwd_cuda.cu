@@ -113,15 +113,21 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
                              static_cast<int>(imin(kBlockN<D>, p.Sk - j0 - kBlockN<D>)));
     cp_async_commit();
 
-    // Online softmax over this tile (masked only where it needs it).
-    const bool edge = k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0);
+    // Online softmax over this tile, the mask compiled only into the branch
+    // for the tiles that need it (softmax_tile).
+    auto softmax = [&](auto masked) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float alpha[2];
-      softmax_tile<kBlockN<D>, kCausal, false>(s[mt], m[mt], l[mt], alpha, row_l[mt], edge, k_rows,
-                                               static_cast<int>(j0 - i0), scale2);
-      scale_rows(o[mt], alpha);
-    }
+      for (int mt = 0; mt < MT; ++mt) {
+        float alpha[2];
+        softmax_tile_as<kBlockN<D>, kCausal, false, decltype(masked)::value>(
+            s[mt], m[mt], l[mt], alpha, row_l[mt], k_rows, static_cast<int>(j0 - i0), scale2);
+        scale_rows(o[mt], alpha);
+      }
+    };
+    if (k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0))
+      softmax(std::true_type{});
+    else
+      softmax(std::false_type{});
 
     cp_async_wait<1>();  // V_j has landed (K_{j+1} may still be in flight)
     __syncthreads();
