@@ -87,14 +87,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
   // Tile loads: every thread copies its share and arrives on the stage's
   // full barrier when its copies land. A stage is refilled once every warp
   // has released the tile two before (its empty barrier).
+  // This thread's chunks of K_j and V_j: from its first chunk of tile 0, j tiles on.
+  const Sw128Share<D, N, kThreads> share;
+  const T *k_first = share.first(k, p.k_st.seq), *v_first = share.first(v, p.v_st.seq);
+  const int64_t k_tile = N * p.k_st.seq, v_tile = N * p.v_st.seq;
   auto load_k = [&](int j) {
     if (j >= 2) mbar_wait(&emptyK[j & 1], ((j >> 1) + 1) & 1);
-    load_tile_sw128<D, N, kThreads>(sK + (j & 1) * N * D, k + static_cast<int64_t>(j) * N * p.k_st.seq, p.k_st.seq, rows_of(j));
+    share.copy(sK + (j & 1) * N * D, k_first + j * k_tile, p.k_st.seq, rows_of(j), k);
     mbar_arrive_cp_async(&fullK[j & 1]);
   };
   auto load_v = [&](int j) {
     if (j >= 2) mbar_wait(&emptyV[j & 1], ((j >> 1) + 1) & 1);
-    load_tile_sw128<D, N, kThreads>(sV + (j & 1) * N * D, v + static_cast<int64_t>(j) * N * p.v_st.seq, p.v_st.seq, rows_of(j));
+    share.copy(sV + (j & 1) * N * D, v_first + j * v_tile, p.v_st.seq, rows_of(j), v);
     mbar_arrive_cp_async(&fullV[j & 1]);
   };
   auto landed = [&](uint64_t *full, int j) {

@@ -19,26 +19,51 @@ __device__ __forceinline__ int sw128(int r, int c) {
   return (c >> 3) * kRows * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3);
 }
 
+// A thread's share of copying a [kRows, D] tile from global memory into
+// shared (sw128) with the block's kThreads threads: chunk c = t % (D/8) of
+// rows r0 = t / (D/8), r0 + kStep, ... Its chunk, the row's swizzle (row
+// mod 8 stays fixed) and so its shared offset pattern are the same for every
+// row, and the global address advances by a fixed stride: a few instructions
+// a copy. Callers walking a sequence of tiles (K, V by key tile) keep the
+// address of their first chunk and add a tile's stride, rather than
+// recomputing it from the tile's base.
+template <int D, int kRows, int kThreads>
+struct Sw128Share {
+  static constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0, "tile shape");
+  int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+
+  // This thread's first chunk of a tile whose row 0 is at base.
+  template <class T>
+  __device__ __forceinline__ const T *first(const T *base, int64_t row_stride) const {
+    return base + r0 * row_stride + c * 8;
+  }
+  // The tile whose thread-first chunk is at src into sm; rows >= valid_rows
+  // zero-filled (their source address: safe, any readable one).
+  template <class T>
+  __device__ __forceinline__ void copy(T *sm, const T *src, int64_t row_stride, int valid_rows,
+                                       const T *safe) const {
+    T *dst = sm + sw128<kRows>(r0, c);
+    if (valid_rows >= kRows) {  // every tile but a tail (warp-uniform): no row tests
+#pragma unroll
+      for (int i = 0; i < kRows / kStep; ++i) cp_async16(dst + i * kStep * 64, src + i * kStep * row_stride, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows / kStep; ++i) {
+        const bool ok = r0 + i * kStep < valid_rows;
+        cp_async16(dst + i * kStep * 64, ok ? src + i * kStep * row_stride : safe, ok);
+      }
+    }
+  }
+};
+
 // rows x D tile from global (row i at base + i * row_stride) into shared
 // (sw128), rows >= valid_rows zero-filled, by the block's kThreads threads.
-// Thread t copies chunk t % (D/8) of rows t / (D/8) + i * kStep: its chunk,
-// the row's swizzle (row mod 8 stays fixed) and so its shared offset pattern
-// are the same for every i, and the global address advances by a fixed
-// stride: a few instructions a copy.
 template <int D, int kRows, int kThreads, class T>
 __device__ __forceinline__ void load_tile_sw128(T *sm, const T *base, int64_t row_stride,
                                                 int valid_rows) {
-  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0, "tile shape");
-  const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
-  T *dst = sm + sw128<kRows>(r0, c);
-  const T *src = base + r0 * row_stride + c * 8;
-#pragma unroll
-  for (int i = 0; i < kRows / kStep; ++i) {
-    const bool ok = r0 + i * kStep < valid_rows;
-    cp_async16(dst + i * kStep * 64, ok ? src : base, ok);
-    src += kStep * row_stride;
-  }
+  const Sw128Share<D, kRows, kThreads> share;
+  share.copy(sm, share.first(base, row_stride), row_stride, valid_rows, base);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
