@@ -46,8 +46,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention interface (as its sdpa_attention_forward):
     query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) -> ((B, Sq, Hq, D), None).
 
-    Masks are made as for "sdpa" (registered below): None where the causal
-    flag says it all, which is the case fusedops' kernels take; a padding
+    Masks are made by causal_mask (registered below), as for "sdpa" but also
+    under torch.compile: None where the causal flag says it all, which is the
+    case fusedops' kernels take; a padding
     mask, dropout or what the kernels lack goes to torch's SDPA (a warning the
     first time, from fusedops.functional). Features of transformers' own
     function that this one has no equivalent for (softcap, position_bias, a
@@ -70,10 +71,39 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+_SDPA_MASK_ARGS = inspect.signature(sdpa_mask)
+
+
+def causal_mask(*args, **kwargs):
+    """transformers' sdpa_mask (same arguments, which differ between its
+    versions), except that it also returns None -- the attention's causal flag
+    instead of a (B, 1, Sq, Sk) mask -- while torch.compile traces, where
+    sdpa_mask materializes the mask (it cannot tell tracing for torch.export
+    from torch.compile before torch 2.14). A mask takes the attention to
+    torch's SDPA, which then computes every score of the causal square.
+
+    None only where that depends on shapes alone, as sdpa_mask's own skip in
+    eager: the caller allows it (no packed sequences, no extra mask functions,
+    no compileable cache), no padding mask, no sliding window that the keys
+    reach past, an int query offset, and as many keys as queries or one query.
+    A padding mask, even all ones, still becomes a mask: its values are not
+    read while tracing."""
+    a = _SDPA_MASK_ARGS.bind(*args, **kwargs)
+    a.apply_defaults()
+    p = a.arguments
+    q_len = p["q_length"] if "q_length" in p else p["cache_position"].shape[0]
+    kv_len, local = p["kv_length"], p.get("local_size")
+    if (p.get("allow_is_causal_skip") and p.get("attention_mask") is None
+            and not isinstance(p.get("q_offset", 0), torch.Tensor)
+            and (local is None or kv_len < local) and (q_len == 1 or q_len == kv_len)):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register():
     """Make attn_implementation="fusedops" known to transformers (done on import)."""
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, causal_mask)
 
 
 register()
