@@ -442,43 +442,46 @@ void fo_attn_fwd_cpu(const fo_attn_params *p) {
 #pragma omp parallel if (tasks > 1)
   {
 #if FO_X86
+    fwd_scratch_bf16 wb;
+    uint32_t *ubuf = NULL;
+    float *fbuf = NULL;
     if (bf16_dot) {
       const int64_t D = p->D;
-      fwd_scratch_bf16 w;
-      uint32_t *buf = calloc((size_t)(D / 2 * BQ + BK * D / 2 + BK / 2 * D + BK / 2 * BQ), sizeof(uint32_t));
-      float *fbuf = zalloc(BK * BQ + BQ * D);
-      w.qt = buf;
-      w.k = w.qt + D / 2 * BQ;
-      w.v = w.k + BK * D / 2;
-      w.pt = w.v + BK / 2 * D;
-      w.st = fbuf;
-      w.o = w.st + BK * BQ;
-#pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t it = task % qtiles, bh = task / qtiles;
-        fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
-      }
-      free(buf);
-      free(fbuf);
-    } else
-#endif
-    {
-      fwd_scratch w;
-      float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
-      w.q = buf;
-      w.o = w.q + BQ * Dp;
-      w.kt = w.o + BQ * Dp;
-      w.v = w.kt + BK * Dp;
-      w.s = w.v + BK * Dp;
-      w.tmp = w.s + BQ * BK;
-      /* dynamic: causal tiles differ in cost */
-#pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t it = task % qtiles, bh = task / qtiles;
-        fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
-      }
-      free(buf);
+      ubuf = calloc((size_t)(D / 2 * BQ + BK * D / 2 + BK / 2 * D + BK / 2 * BQ), sizeof(uint32_t));
+      fbuf = zalloc(BK * BQ + BQ * D);
+      wb.qt = ubuf;
+      wb.k = wb.qt + D / 2 * BQ;
+      wb.v = wb.k + BK * D / 2;
+      wb.pt = wb.v + BK / 2 * D;
+      wb.st = fbuf;
+      wb.o = wb.st + BK * BQ;
     }
+#endif
+    fwd_scratch w;
+    float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
+    w.q = buf;
+    w.o = w.q + BQ * Dp;
+    w.kt = w.o + BQ * Dp;
+    w.v = w.kt + BK * Dp;
+    w.s = w.v + BK * Dp;
+    w.tmp = w.s + BQ * BK;
+    /* dynamic: causal tiles differ in cost */
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t it = task % qtiles, bh = task / qtiles;
+#if FO_X86
+      if (bf16_dot) {
+        fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &wb);
+        continue;
+      }
+#endif
+      fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+    }
+    free(buf);
+#if FO_X86
+    free(ubuf);
+    free(fbuf);
+#endif
   }
 }
 
