@@ -331,6 +331,47 @@ def test_edge_input_works(device, make):
     assert_unchanged(args, before)
 
 
+# A CPU kernel's own scratch (malloc'd outside torch's allocator) that cannot
+# be had: the norm kernels take an fp32 copy of a weight row, as long as the
+# row. Under an address-space limit that leaves room for torch's output and
+# half of that copy, the op must raise, not crash, and change no input.
+OOM_SCRIPT = r"""
+import resource, torch, fusedops
+n = 1 << 24
+x, w, dy = torch.randn(1, n), torch.randn(n), torch.randn(1, n)
+y, s, mean, rstd = torch.ops.fusedops.add_norm_fwd(x, None, w, None, 1e-6, True, False)
+before = [t.clone() for t in (x, w, dy, rstd)]
+calls = {"add_norm_fwd": lambda: torch.ops.fusedops.add_norm_fwd(x, None, w, None, 1e-6, True, False),
+         "add_norm_bwd": lambda: torch.ops.fusedops.add_norm_bwd(dy, None, x, w, None, mean, rstd, True,
+                                                                 False, False)}
+def mapped():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+for name, call in calls.items():
+    resource.setrlimit(resource.RLIMIT_AS, (mapped() + 6 * n, resource.RLIM_INFINITY))  # output + half
+    try:
+        call()
+        print(name, "ran")
+    except RuntimeError as e:
+        print(name, str(e).splitlines()[-1])
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print("unchanged", all(torch.equal(a, b) for a, b in zip(before, (x, w, dy, rstd))))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status: Linux")
+def test_cpu_scratch_out_of_memory_raises():
+    import subprocess
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="2")  # no 64 MiB arena a thread
+    proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    for op in ("add_norm_fwd", "add_norm_bwd"):
+        said = [line for line in lines if line.startswith(op + " ")]
+        assert len(said) == 1 and f"fusedops.{op}: out of memory for the CPU kernel's scratch" in said[0], lines
+    assert "unchanged True" in lines, lines
+
+
 # Parameters of (6, 5) values: the layout of each kind, made from a fresh copy
 # of the same storage for each optimizer.
 EDGE_PARAMS = {"empty": ((0, 5), lambda s: s),

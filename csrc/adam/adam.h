@@ -59,8 +59,8 @@ typedef struct fo_adam_params {
   fo_dtype param_dtype, state_dtype;
 } fo_adam_params;
 
-/* CPU (adam_cpu.c, OpenMP over chunks of all tensors). */
-void fo_adam_cpu(const fo_adam_params *a);
+/* CPU (adam_cpu.c, OpenMP over chunks of all tensors); NULL, or FO_CPU_OOM. */
+const char *fo_adam_cpu(const fo_adam_params *a);
 
 /* CUDA (adam_cuda.cu). Launches on `stream` (a cudaStream_t); never
  * synchronises. Returns NULL on success or a static message naming the error. */

@@ -100,13 +100,18 @@ FO_INLINE void update_span_at(const fo_adam_params *a, const fo_adam_coef *c, in
 FO_ISA_DISPATCH(update_span, (const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n),
                 (a, c, i, off, n))
 
-void fo_adam_cpu(const fo_adam_params *a) {
-  if (a->found_inf && *a->found_inf != 0.0f) return; /* skipped step: nothing moves */
+const char *fo_adam_cpu(const fo_adam_params *a) {
+  if (a->found_inf && *a->found_inf != 0.0f) return NULL; /* skipped step: nothing moves */
   const int64_t nt = a->ntensors;
   const double lr = a->lr_ptr ? (double)*a->lr_ptr : a->lr;
   const float scale = a->grad_scale ? *a->grad_scale : 1.0f;
   fo_adam_coef *coef = malloc(sizeof(fo_adam_coef) * (size_t)(nt + 1));
   int64_t *first = malloc(sizeof(int64_t) * (size_t)(nt + 1)); /* first chunk of tensor i */
+  if (!coef || !first) {
+    free(first);
+    free(coef);
+    return FO_CPU_OOM;
+  }
   first[0] = 0;
   for (int64_t i = 0; i < nt; ++i) {
     *a->steps[i] += 1.0f;
@@ -127,4 +132,5 @@ void fo_adam_cpu(const fo_adam_params *a) {
   }
   free(first);
   free(coef);
+  return NULL;
 }

@@ -159,7 +159,7 @@ void adam_step(TensorList params, TensorList grads, TensorList exp_avgs, TensorL
   a.state_dtype = st;
 
   if (p0.is_cpu()) {
-    fo_adam_cpu(&a);
+    check_cpu_ran(kOp, fo_adam_cpu(&a));
   } else {
 #ifdef FUSEDOPS_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(p0.get_device_index());

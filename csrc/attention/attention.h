@@ -56,8 +56,9 @@ typedef struct fo_attn_params {
 
 /* CPU (attention_cpu.c): C11 + OpenMP, tiled online softmax, O(S) extra memory.
  * Always deterministic for a given thread count; with p->deterministic set
- * the results do not depend on the thread count either. */
-void fo_attn_fwd_cpu(const fo_attn_params *p);
+ * the results do not depend on the thread count either. Each returns NULL,
+ * or FO_CPU_OOM. */
+const char *fo_attn_fwd_cpu(const fo_attn_params *p);
 /* The backward splits the key tiles of each (batch, kv head) into this many
  * groups, each summing its own fp32 dq partial; the partials are then added
  * in a fixed order. */
@@ -66,7 +67,7 @@ int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p);
 static inline int64_t fo_attn_bwd_cpu_workspace(const fo_attn_params *p) {
   return (p->splits * p->D + 1) * p->B * p->Hq * p->Sq;
 }
-void fo_attn_bwd_cpu(const fo_attn_params *p);
+const char *fo_attn_bwd_cpu(const fo_attn_params *p);
 
 /* CUDA (attention_fwd_cuda.cu, attention_bwd_cuda.cu). Launch on `stream` (a
  * cudaStream_t); return NULL on success or a static message naming the error.

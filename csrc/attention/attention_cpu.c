@@ -252,7 +252,55 @@ FO_CLONES static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, in
   store_rows(p, b, h, i0, nq, w->m, w->l, w->o, Dp);
 }
 
-static float *zalloc(int64_t n) { return calloc((size_t)n, sizeof(float)); }
+/* A thread's scratch is one zeroed block of 4-byte words (floats, or pairs of
+ * bf16), handed out in order. The *_scratch_init functions below take each of
+ * their arrays twice: from an empty carver, which only counts the words, then
+ * from a block of that size; so each array's size is written once. */
+typedef struct carver {
+  uint32_t *base; /* NULL: counting */
+  int64_t used;   /* words */
+} carver;
+
+static void *take(carver *c, int64_t words) {
+  void *at = c->base ? (void *)(c->base + c->used) : NULL;
+  c->used += words;
+  return at;
+}
+
+/* After the counting pass: allocates the block and asks for the filling pass
+ * (1); after that one, or when the allocation fails, 0. */
+static int carve_again(carver *c) {
+  if (c->base) return 0;
+  c->base = calloc((size_t)c->used, sizeof(uint32_t));
+  c->used = 0;
+  return c->base != NULL;
+}
+
+/* Inside a parallel region, after each thread has tried to allocate its
+ * scratch block: whether every thread has one (a barrier: all threads return
+ * the same, so all take the same worksharing loops). */
+static int every_thread_has(const uint32_t *block, int *missing) {
+  if (!block) {
+#pragma omp atomic write
+    *missing = 1;
+  }
+#pragma omp barrier
+  return !*missing;
+}
+
+/* The block a thread's scratch lies in (NULL: out of memory); free() it. */
+static uint32_t *fwd_scratch_init(fwd_scratch *w, int64_t Dp) {
+  carver c = {NULL, 0};
+  do {
+    w->q = take(&c, BQ * Dp);
+    w->o = take(&c, BQ * Dp);
+    w->kt = take(&c, Dp * BK);
+    w->v = take(&c, BK * Dp);
+    w->s = take(&c, BQ * BK);
+    w->tmp = take(&c, Dp);
+  } while (carve_again(&c));
+  return c.base;
+}
 
 #if FO_X86
 /* ------------------------------------------ forward, bf16 with AVX512-BF16
@@ -369,6 +417,19 @@ typedef struct fwd_scratch_bf16 {
   float m[BQ], l[BQ], alpha[BQ];
 } fwd_scratch_bf16;
 
+static uint32_t *fwd_scratch_bf16_init(fwd_scratch_bf16 *w, int64_t D) {
+  carver c = {NULL, 0};
+  do {
+    w->qt = take(&c, D / 2 * BQ);
+    w->k = take(&c, BK * D / 2);
+    w->v = take(&c, BK / 2 * D);
+    w->pt = take(&c, BK / 2 * BQ);
+    w->st = take(&c, BK * BQ);
+    w->o = take(&c, BQ * D);
+  } while (carve_again(&c));
+  return c.base;
+}
+
 FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
                                             fwd_scratch_bf16 *w) {
   const int64_t D = p->D, D2 = D / 2, hk = h / (p->Hq / p->Hkv);
@@ -435,54 +496,37 @@ static int bf16_dot_tiles(const fo_attn_params *p) {
 #endif
 }
 
-void fo_attn_fwd_cpu(const fo_attn_params *p) {
+const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
   const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
   const int64_t tasks = p->B * p->Hq * qtiles;
   const int bf16_dot = bf16_dot_tiles(p);
+  int missing = 0;
 #pragma omp parallel if (tasks > 1)
   {
+    fwd_scratch w;
 #if FO_X86
     fwd_scratch_bf16 wb;
-    uint32_t *ubuf = NULL;
-    float *fbuf = NULL;
-    if (bf16_dot) {
-      const int64_t D = p->D;
-      ubuf = calloc((size_t)(D / 2 * BQ + BK * D / 2 + BK / 2 * D + BK / 2 * BQ), sizeof(uint32_t));
-      fbuf = zalloc(BK * BQ + BQ * D);
-      wb.qt = ubuf;
-      wb.k = wb.qt + D / 2 * BQ;
-      wb.v = wb.k + BK * D / 2;
-      wb.pt = wb.v + BK / 2 * D;
-      wb.st = fbuf;
-      wb.o = wb.st + BK * BQ;
-    }
+    uint32_t *block = bf16_dot ? fwd_scratch_bf16_init(&wb, p->D) : fwd_scratch_init(&w, Dp);
+#else
+    uint32_t *block = fwd_scratch_init(&w, Dp);
 #endif
-    fwd_scratch w;
-    float *buf = zalloc(2 * BQ * Dp + 2 * BK * Dp + BQ * BK + Dp);
-    w.q = buf;
-    w.o = w.q + BQ * Dp;
-    w.kt = w.o + BQ * Dp;
-    w.v = w.kt + BK * Dp;
-    w.s = w.v + BK * Dp;
-    w.tmp = w.s + BQ * BK;
-    /* dynamic: causal tiles differ in cost */
+    if (every_thread_has(block, &missing)) {
+      /* dynamic: causal tiles differ in cost */
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t it = task % qtiles, bh = task / qtiles;
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t it = task % qtiles, bh = task / qtiles;
 #if FO_X86
-      if (bf16_dot) {
-        fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &wb);
-        continue;
+        if (bf16_dot) {
+          fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &wb);
+          continue;
+        }
+#endif
+        fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
       }
-#endif
-      fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
     }
-    free(buf);
-#if FO_X86
-    free(ubuf);
-    free(fbuf);
-#endif
+    free(block);
   }
+  return missing ? FO_CPU_OOM : NULL;
 }
 
 /* ---------------------------------------------------------------- backward */
@@ -513,8 +557,26 @@ typedef struct bwd_scratch {
   float *kt, *vt;       /* [Dp, BK] */
   float *dk, *dv;       /* [BK, Dp] */
   float *pr, *ds;       /* [BQ, BK]: probabilities; dp, then ds */
-  float *tmp;           /* [Dp] */
+  float *tmp;           /* [2 Dp]: delta's two rows, a row of dQ */
 } bwd_scratch;
+
+static uint32_t *bwd_scratch_init(bwd_scratch *w, int64_t Dp) {
+  carver c = {NULL, 0};
+  do {
+    w->q = take(&c, BQ * Dp);
+    w->dout = take(&c, BQ * Dp);
+    w->dq = take(&c, BQ * Dp);
+    w->k = take(&c, BK * Dp);
+    w->kt = take(&c, Dp * BK);
+    w->vt = take(&c, Dp * BK);
+    w->dk = take(&c, BK * Dp);
+    w->dv = take(&c, BK * Dp);
+    w->pr = take(&c, BQ * BK);
+    w->ds = take(&c, BQ * BK);
+    w->tmp = take(&c, 2 * Dp);
+  } while (carve_again(&c));
+  return c.base;
+}
 
 /* P = exp2(s scale log2e - lse log2e) and dS = P (dP - delta) over rows
  * [0, nq) of a query tile (rows i0.. of (b, h)) against keys j0.. (nk of
@@ -620,7 +682,31 @@ typedef struct bwd_scratch_bf16 {
   float *pr, *ds;    /* [BQ, BK]: scores then P; dP then dS */
   float *dk, *dv;    /* [BK, D] */
   float *dq;         /* [BQ, D] */
+  float *tmp;        /* [2 D]: delta's two rows, a row of dQ */
 } bwd_scratch_bf16;
+
+static uint32_t *bwd_scratch_bf16_init(bwd_scratch_bf16 *w, int64_t D) {
+  carver c = {NULL, 0};
+  do {
+    w->kt = take(&c, D / 2 * BK);
+    w->vt = take(&c, D / 2 * BK);
+    w->kr = take(&c, BK / 2 * D);
+    w->qa = take(&c, BQ * D / 2);
+    w->da = take(&c, BQ * D / 2);
+    w->qr = take(&c, BQ / 2 * D);
+    w->dr = take(&c, BQ / 2 * D);
+    w->pq = take(&c, BQ / 2 * BK);
+    w->sq = take(&c, BQ / 2 * BK);
+    w->sk = take(&c, BQ * BK / 2);
+    w->pr = take(&c, BQ * BK);
+    w->ds = take(&c, BQ * BK);
+    w->dk = take(&c, BK * D);
+    w->dv = take(&c, BK * D);
+    w->dq = take(&c, BQ * D);
+    w->tmp = take(&c, 2 * D);
+  } while (carve_again(&c));
+  return c.base;
+}
 
 FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
                                             int64_t j0, int64_t nk, const float *delta, float *dq_part,
@@ -691,72 +777,43 @@ FO_CLONES static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *ac
   fo_store_row(t, (char *)p->dq + q_off(&p->dq_st, b, i, h) * fo_dtype_size(t), acc, D);
 }
 
-void fo_attn_bwd_cpu(const fo_attn_params *p) {
+const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
   const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
   const int bf16_dot = bf16_dot_tiles(p);
+  int missing = 0;
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
 #pragma omp parallel
   {
+    bwd_scratch w;
 #if FO_X86
     bwd_scratch_bf16 wb;
-    uint32_t *ubuf = NULL;
-    float *fbuf = NULL;
-    if (bf16_dot) {
-      ubuf = calloc((size_t)(3 * D / 2 * BK + 2 * BQ * D / 2 + 2 * BQ / 2 * D + 2 * BQ / 2 * BK + BQ * BK / 2),
-                    sizeof(uint32_t));
-      fbuf = zalloc(2 * BQ * BK + 2 * BK * D + BQ * D);
-      wb.kt = ubuf;
-      wb.vt = wb.kt + D / 2 * BK;
-      wb.kr = wb.vt + D / 2 * BK;
-      wb.qa = wb.kr + BK / 2 * D;
-      wb.da = wb.qa + BQ * D / 2;
-      wb.qr = wb.da + BQ * D / 2;
-      wb.dr = wb.qr + BQ / 2 * D;
-      wb.pq = wb.dr + BQ / 2 * D;
-      wb.sq = wb.pq + BQ / 2 * BK;
-      wb.sk = wb.sq + BQ / 2 * BK;
-      wb.pr = fbuf;
-      wb.ds = wb.pr + BQ * BK;
-      wb.dk = wb.ds + BQ * BK;
-      wb.dv = wb.dk + BK * D;
-      wb.dq = wb.dv + BK * D;
-    }
+    uint32_t *block = bf16_dot ? bwd_scratch_bf16_init(&wb, D) : bwd_scratch_init(&w, Dp);
+    float *tmp = bf16_dot ? wb.tmp : w.tmp;
+#else
+    uint32_t *block = bwd_scratch_init(&w, Dp);
+    float *tmp = w.tmp;
 #endif
-    bwd_scratch w;
-    float *buf = zalloc(3 * BQ * Dp + 4 * BK * Dp + Dp * BK + 2 * BQ * BK + 2 * Dp);
-    w.q = buf;
-    w.dout = w.q + BQ * Dp;
-    w.dq = w.dout + BQ * Dp;
-    w.k = w.dq + BQ * Dp;
-    w.dk = w.k + BK * Dp;
-    w.dv = w.dk + BK * Dp;
-    w.kt = w.dv + BK * Dp;
-    w.vt = w.kt + Dp * BK;
-    w.pr = w.vt + Dp * BK;
-    w.ds = w.pr + BQ * BK;
-    w.tmp = w.ds + BQ * BK;
+    if (every_thread_has(block, &missing)) {
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) bwd_delta(p, row, delta, w.tmp);
-    /* the implicit barrier: delta is complete */
+      for (int64_t row = 0; row < rows; ++row) bwd_delta(p, row, delta, tmp);
+      /* the implicit barrier: delta is complete */
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t split = task % p->splits, bh = task / p->splits;
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t split = task % p->splits, bh = task / p->splits;
 #if FO_X86
-      if (bf16_dot) {
-        bwd_task_bf16(p, bh / p->Hkv, bh % p->Hkv, split, delta, &wb);
-        continue;
+        if (bf16_dot) {
+          bwd_task_bf16(p, bh / p->Hkv, bh % p->Hkv, split, delta, &wb);
+          continue;
+        }
+#endif
+        bwd_task(p, bh / p->Hkv, bh % p->Hkv, split, delta, &w);
       }
-#endif
-      bwd_task(p, bh / p->Hkv, bh % p->Hkv, split, delta, &w);
-    }
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, w.tmp);
-    free(buf);
-#if FO_X86
-    free(ubuf);
-    free(fbuf);
-#endif
+      for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, tmp);
+    }
+    free(block);
   }
+  return missing ? FO_CPU_OOM : NULL;
 }

@@ -133,7 +133,7 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   p.lse = static_cast<float *>(lse.data_ptr());
   p.lse_st = {lse.stride(0), lse.stride(2), lse.stride(1)};
   if (q.is_cpu()) {
-    fo_attn_fwd_cpu(&p);
+    check_cpu_ran(op, fo_attn_fwd_cpu(&p));
   } else {
 #ifdef FUSEDOPS_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
@@ -208,7 +208,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
     Tensor workspace =
         torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
     p.workspace = static_cast<float *>(workspace.data_ptr());
-    fo_attn_bwd_cpu(&p);
+    check_cpu_ran(op, fo_attn_bwd_cpu(&p));
     return {dq, dk, dv};
   }
 #ifdef FUSEDOPS_WITH_CUDA

@@ -10,3 +10,7 @@ typedef enum fo_dtype {
 } fo_dtype;
 
 static inline int fo_dtype_size(fo_dtype t) { return t == FO_F32 ? 4 : 2; }
+
+/* What a C CPU kernel returns when its own scratch (malloc'd, outside torch's
+ * allocator) could not be had; NULL means it ran. The shim raises it. */
+#define FO_CPU_OOM "out of memory for the CPU kernel's scratch"

@@ -83,6 +83,11 @@ inline void check_same_shape(const char *op, const char *arg, const Tensor &t, c
                   ref_arg, " ", shape_str(ref));
 }
 
+// A C CPU kernel's result (NULL: it ran; else what stopped it) as the op's error.
+inline void check_cpu_ran(const char *op, const char *err) {
+  STD_TORCH_CHECK(err == nullptr, op, ": ", err);
+}
+
 // A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
 inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {
   STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", arg, " has shape ", shape_str(t),

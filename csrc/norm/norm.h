@@ -53,10 +53,10 @@ typedef struct fo_norm_bwd_params {
   fo_dtype x_dtype, s_dtype, w_dtype;
 } fo_norm_bwd_params;
 
-/* CPU (norm_cpu.c, OpenMP over rows). */
-void fo_norm_fwd_cpu(const fo_norm_fwd_params *p);
+/* CPU (norm_cpu.c, OpenMP over rows); each returns NULL, or FO_CPU_OOM. */
+const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p);
 int64_t fo_norm_bwd_cpu_parts(const fo_norm_bwd_params *p);
-void fo_norm_bwd_cpu(const fo_norm_bwd_params *p);
+const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p);
 
 /* CUDA (norm_cuda.cu). Launch on `stream` (a cudaStream_t); return NULL on
  * success or a static message naming the CUDA error. */

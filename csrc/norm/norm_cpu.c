@@ -28,9 +28,11 @@ static inline const char *row_ptr(const void *base, fo_dtype t, int64_t row, int
 static inline int64_t round_up16(int64_t n) { return (n + FO_VL - 1) / FO_VL * FO_VL; }
 
 /* A [cols] weight or bias row in fp32, padded with zeros to a whole number of
- * blocks (the block loops read whole blocks); `fill` where there is none. */
+ * blocks (the block loops read whole blocks); `fill` where there is none.
+ * NULL when out of memory. */
 static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
   float *out = calloc((size_t)round_up16(n) + 1, sizeof(float));
+  if (!out) return NULL;
   if (t) fo_load_row(dt, t, out, n);
   else for (int64_t j = 0; j < n; ++j) out[j] = fill;
   return out;
@@ -157,19 +159,25 @@ FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const affine *
  * the same; at 2048 that was 0-10% slower, at 1024 15%. */
 enum { NARROW_COLS = 3072 };
 
-void fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
+const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
   const int64_t n = p->cols;
   float *w = NULL, *b = NULL;
   affine a = {p->weight, p->bias, p->w_dtype};
   if (p->w_dtype == FO_F32 || n < NARROW_COLS) {
     w = param_f32(p->weight, p->w_dtype, n, 1.0f);
     b = p->bias ? param_f32(p->bias, p->w_dtype, n, 0.0f) : NULL;
+    if (!w || (p->bias && !b)) {
+      free(b);
+      free(w);
+      return FO_CPU_OOM;
+    }
     a = (affine){w, b, FO_F32};
   }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
   free(b);
   free(w);
+  return NULL;
 }
 
 /* ---- backward -------------------------------------------------------------- */
@@ -251,10 +259,16 @@ FO_INLINE void bwd_row_at(const fo_norm_bwd_params *p, int64_t r, const float *w
 FO_ISA_DISPATCH(bwd_row, (const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb),
                 (p, r, w, pw, pb))
 
-void fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
+const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
   const int64_t n = p->cols;
   const int want_partial = p->dweight || p->dbias;
   float *w = param_f32(p->weight, p->w_dtype, n, 1.0f);
+  float *sum = want_partial ? malloc(sizeof(float) * (size_t)(2 * n + 1)) : NULL;
+  if (!w || (want_partial && !sum)) {
+    free(sum);
+    free(w);
+    return FO_CPU_OOM;
+  }
   int64_t used = 0; /* threads the runtime actually gave: only their partial rows are written */
 
 #pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads()))
@@ -276,7 +290,6 @@ void fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
 
   if (want_partial) {
     /* one pass over the partial rows: dweight[j] = sum_t partial[0][t][j] */
-    float *sum = malloc(sizeof(float) * (size_t)(2 * n + 1));
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
       float sw = 0.0f, sb = 0.0f;
@@ -289,6 +302,7 @@ void fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
     }
     if (p->dweight) fo_store_row(p->w_dtype, p->dweight, sum, n);
     if (p->dbias) fo_store_row(p->w_dtype, p->dbias, sum + n, n);
-    free(sum);
   }
+  free(sum);
+  return NULL;
 }

@@ -84,7 +84,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor resi
                      : bias ? kernel_dtype(op, "bias", *bias) : xt;
 
   if (x.is_cpu()) {
-    fo_norm_fwd_cpu(&p);
+    check_cpu_ran(op, fo_norm_fwd_cpu(&p));
   } else {
 #ifdef FUSEDOPS_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
@@ -171,7 +171,7 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
       partial = torch::stable::new_empty(s, {2, p.parts, cols}, ScalarType::Float);
       p.partial = static_cast<float *>(partial.data_ptr());
     }
-    fo_norm_bwd_cpu(&p);
+    check_cpu_ran(op, fo_norm_bwd_cpu(&p));
   } else {
 #ifdef FUSEDOPS_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(s.get_device_index());
