@@ -158,18 +158,8 @@ void adam_step(TensorList params, TensorList grads, TensorList exp_avgs, TensorL
   a.param_dtype = pt;
   a.state_dtype = st;
 
-  if (p0.is_cpu()) {
-    check_cpu_ran(kOp, fo_adam_cpu(&a));
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(p0.get_device_index());
-    const char *err = fo_adam_cuda(&a, current_cuda_stream(p0));
-    STD_TORCH_CHECK(err == nullptr, kOp, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, kOp, ": params[0] is on ", device_name(p0),
-                    ", expected cpu (built without CUDA)");
-#endif
-  }
+  run_kernel(kOp, "params[0]", p0, [&] { return fo_adam_cpu(&a); },
+             [&](void *stream) { return fo_adam_cuda(&a, stream); });
 }
 
 }  // namespace

@@ -132,18 +132,11 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   p.out_st = bshd_strides(out);
   p.lse = static_cast<float *>(lse.data_ptr());
   p.lse_st = {lse.stride(0), lse.stride(2), lse.stride(1)};
-  if (q.is_cpu()) {
-    check_cpu_ran(op, fo_attn_fwd_cpu(&p));
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-    p.wgmma = fo_attn_wgmma_applies(&p);
-    const char *err = fo_attn_fwd_cuda(&p, current_cuda_stream(q));
-    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
-#endif
-  }
+  run_kernel(op, "q", q, [&] { return fo_attn_fwd_cpu(&p); },
+             [&](void *stream) {
+               p.wgmma = fo_attn_wgmma_applies(&p);
+               return fo_attn_fwd_cuda(&p, stream);
+             });
   return {out, lse};
 }
 
@@ -203,24 +196,22 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
   p.dq_st = bshd_strides(dq);
   p.dk_st = bshd_strides(dk);
   p.dv_st = bshd_strides(dv);
-  if (q.is_cpu()) {
-    p.splits = fo_attn_bwd_cpu_splits(&p);
-    Tensor workspace =
-        torch::stable::new_empty(q, {fo_attn_bwd_cpu_workspace(&p)}, ScalarType::Float);
+  Tensor workspace;  // the kernel's scratch, sized by the device's kernels
+  auto with_workspace = [&](int64_t floats) {
+    workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
     p.workspace = static_cast<float *>(workspace.data_ptr());
-    check_cpu_ran(op, fo_attn_bwd_cpu(&p));
-    return {dq, dk, dv};
-  }
-#ifdef FUSEDOPS_WITH_CUDA
-  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-  p.wgmma = fo_attn_wgmma_applies(&p);  // once: the workspace's size and the launches agree
-  Tensor workspace = torch::stable::new_empty(q, {fo_attn_bwd_cuda_workspace(&p)}, ScalarType::Float);
-  p.workspace = static_cast<float *>(workspace.data_ptr());
-  const char *err = fo_attn_bwd_cuda(&p, current_cuda_stream(q));
-  STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-  STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
-#endif
+  };
+  run_kernel(op, "q", q,
+             [&] {
+               p.splits = fo_attn_bwd_cpu_splits(&p);
+               with_workspace(fo_attn_bwd_cpu_workspace(&p));
+               return fo_attn_bwd_cpu(&p);
+             },
+             [&](void *stream) {
+               p.wgmma = fo_attn_wgmma_applies(&p);  // once: the workspace's size and the launches agree
+               with_workspace(fo_attn_bwd_cuda_workspace(&p));
+               return fo_attn_bwd_cuda(&p, stream);
+             });
   return {dq, dk, dv};
 }
 

@@ -83,11 +83,6 @@ inline void check_same_shape(const char *op, const char *arg, const Tensor &t, c
                   ref_arg, " ", shape_str(ref));
 }
 
-// A C CPU kernel's result (NULL: it ran; else what stopped it) as the op's error.
-inline void check_cpu_ran(const char *op, const char *err) {
-  STD_TORCH_CHECK(err == nullptr, op, ": ", err);
-}
-
 // A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
 inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {
   STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", arg, " has shape ", shape_str(t),
@@ -167,5 +162,26 @@ inline void *current_cuda_stream(const Tensor &t) {
   return stream;
 }
 #endif
+
+// Runs an op's kernel where `on` (the argument named `arg`) lives: cpu() on
+// the CPU; cuda(stream) on its GPU, under a guard for that device and on its
+// current stream. Each returns NULL, or what stopped it, raised as op's error.
+// (Without CUDA, cuda is never called, so its body is never emitted.)
+template <class Cpu, class Cuda>
+void run_kernel(const char *op, const char *arg, const Tensor &on, Cpu &&cpu, Cuda &&cuda) {
+  if (on.is_cpu()) {
+    const char *err = cpu();
+    STD_TORCH_CHECK(err == nullptr, op, ": ", err);
+    return;
+  }
+#ifdef FUSEDOPS_WITH_CUDA
+  torch::stable::accelerator::DeviceGuard guard(on.get_device_index());
+  const char *err = cuda(current_cuda_stream(on));
+  STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+  (void)cuda;
+  STD_TORCH_CHECK(false, op, ": ", arg, " is on ", device_name(on), ", expected cpu (built without CUDA)");
+#endif
+}
 
 }  // namespace fusedops

@@ -83,17 +83,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor resi
   p.w_dtype = weight ? kernel_dtype(op, "weight", *weight)
                      : bias ? kernel_dtype(op, "bias", *bias) : xt;
 
-  if (x.is_cpu()) {
-    check_cpu_ran(op, fo_norm_fwd_cpu(&p));
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-    const char *err = fo_norm_fwd_cuda(&p, current_cuda_stream(x));
-    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, op, ": x is on ", device_name(x), ", expected cpu (built without CUDA)");
-#endif
-  }
+  run_kernel(op, "x", x, [&] { return fo_norm_fwd_cpu(&p); },
+             [&](void *stream) { return fo_norm_fwd_cuda(&p, stream); });
   return {y, s, mean, rstd};
 }
 
@@ -163,29 +154,23 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
   p.rstd = static_cast<const float *>(rstd.data_ptr());
   p.dx = dx.data_ptr();
 
-  Tensor partial;
+  // dweight / dbias: partial rows, as many parts as the device's kernel takes
   const bool need_partial = need_dweight || need_dbias;
-  if (s.is_cpu()) {
-    if (need_partial) {
-      p.parts = fo_norm_bwd_cpu_parts(&p);
-      partial = torch::stable::new_empty(s, {2, p.parts, cols}, ScalarType::Float);
-      p.partial = static_cast<float *>(partial.data_ptr());
-    }
-    check_cpu_ran(op, fo_norm_bwd_cpu(&p));
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(s.get_device_index());
-    if (need_partial) {
-      p.parts = fo_norm_bwd_cuda_parts(&p, s.get_device_index());
-      partial = torch::stable::new_empty(s, {2, p.parts, cols}, ScalarType::Float);
-      p.partial = static_cast<float *>(partial.data_ptr());
-    }
-    const char *err = fo_norm_bwd_cuda(&p, current_cuda_stream(s));
-    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, op, ": s is on ", device_name(s), ", expected cpu (built without CUDA)");
-#endif
-  }
+  Tensor partial;
+  auto with_parts = [&](int64_t parts) {
+    p.parts = parts;
+    partial = torch::stable::new_empty(s, {2, parts, cols}, ScalarType::Float);
+    p.partial = static_cast<float *>(partial.data_ptr());
+  };
+  run_kernel(op, "s", s,
+             [&] {
+               if (need_partial) with_parts(fo_norm_bwd_cpu_parts(&p));
+               return fo_norm_bwd_cpu(&p);
+             },
+             [&](void *stream) {
+               if (need_partial) with_parts(fo_norm_bwd_cuda_parts(&p, s.get_device_index()));
+               return fo_norm_bwd_cuda(&p, stream);
+             });
   return {dx, dw, db};
 }
 

@@ -55,19 +55,12 @@ std::vector<int64_t> sizes_of(const Tensor &t) {
 
 void run(const char *op, const Tensor &like, const fo_glu_params &p, bool bwd) {
   if (p.rows == 0 || p.cols == 0) return;
-  if (like.is_cpu()) {
-    bwd ? fo_glu_bwd_cpu(&p) : fo_glu_fwd_cpu(&p);
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(like.get_device_index());
-    void *stream = current_cuda_stream(like);
-    const char *err = bwd ? fo_glu_bwd_cuda(&p, stream) : fo_glu_fwd_cuda(&p, stream);
-    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, op, ": the input is on ", device_name(like),
-                    ", expected cpu (built without CUDA)");
-#endif
-  }
+  run_kernel(op, "the input", like,
+             [&]() -> const char * {
+               bwd ? fo_glu_bwd_cpu(&p) : fo_glu_fwd_cpu(&p);
+               return nullptr;
+             },
+             [&](void *stream) { return bwd ? fo_glu_bwd_cuda(&p, stream) : fo_glu_fwd_cuda(&p, stream); });
 }
 
 // Packed [gate | up] along the last dim: returns F, the width of each half.
