@@ -49,9 +49,10 @@ typedef struct fo_glu_params {
   fo_dtype dtype;
 } fo_glu_params;
 
-/* CPU (swiglu_cpu.c, OpenMP). */
-void fo_glu_fwd_cpu(const fo_glu_params *p);
-void fo_glu_bwd_cpu(const fo_glu_params *p);
+/* CPU (swiglu_cpu.c, OpenMP). They allocate nothing: NULL, always (the
+ * interface every kernel shares: NULL, or what stopped it). */
+const char *fo_glu_fwd_cpu(const fo_glu_params *p);
+const char *fo_glu_bwd_cpu(const fo_glu_params *p);
 
 /* CUDA (swiglu_cuda.cu). Launch on `stream` (a cudaStream_t); return NULL on
  * success or a static message naming the CUDA error. */

@@ -71,7 +71,7 @@ FO_ISA_DISPATCH(bwd_tile, (fo_dtype t, int gelu, const void *d, const void *g, c
 /* Rows split evenly over the threads; a row of more than kTile elements is
  * walked in tiles. Narrow rows are as cheap per element as wide ones: the
  * work is per tile, not per row. */
-void fo_glu_fwd_cpu(const fo_glu_params *p) {
+const char *fo_glu_fwd_cpu(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < p->rows; ++r) {
@@ -83,9 +83,10 @@ void fo_glu_fwd_cpu(const fo_glu_params *p) {
       fwd_tile(p->dtype, gelu, g + c * es, u + c * es, o + c * es, n);
     }
   }
+  return NULL;
 }
 
-void fo_glu_bwd_cpu(const fo_glu_params *p) {
+const char *fo_glu_bwd_cpu(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < p->rows; ++r) {
@@ -101,4 +102,5 @@ void fo_glu_bwd_cpu(const fo_glu_params *p) {
                o ? o + c * es : NULL, n);
     }
   }
+  return NULL;
 }

@@ -56,10 +56,7 @@ std::vector<int64_t> sizes_of(const Tensor &t) {
 void run(const char *op, const Tensor &like, const fo_glu_params &p, bool bwd) {
   if (p.rows == 0 || p.cols == 0) return;
   run_kernel(op, "the input", like,
-             [&]() -> const char * {
-               bwd ? fo_glu_bwd_cpu(&p) : fo_glu_fwd_cpu(&p);
-               return nullptr;
-             },
+             [&] { return bwd ? fo_glu_bwd_cpu(&p) : fo_glu_fwd_cpu(&p); },
              [&](void *stream) { return bwd ? fo_glu_bwd_cuda(&p, stream) : fo_glu_fwd_cuda(&p, stream); });
 }
 
