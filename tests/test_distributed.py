@@ -85,6 +85,7 @@ def _driver(out):
             train.main(argv)
         dist.barrier()
     dist.destroy_process_group()
+    train.exit_skipping_teardown()
 
 
 # --------------------------------------------------------------- the tests
