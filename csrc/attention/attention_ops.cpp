@@ -196,20 +196,22 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
   p.dq_st = bshd_strides(dq);
   p.dk_st = bshd_strides(dk);
   p.dv_st = bshd_strides(dv);
-  Tensor workspace;  // the kernel's scratch, sized by the device's kernels
-  auto with_workspace = [&](int64_t floats) {
-    workspace = torch::stable::new_empty(q, {floats}, ScalarType::Float);
-    p.workspace = static_cast<float *>(workspace.data_ptr());
+  // The kernel's scratch, sized by the device's kernels; kept alive by the
+  // caller until the kernel has run (or been queued on the current stream).
+  auto workspace = [&](int64_t floats) {
+    Tensor t = torch::stable::new_empty(q, {floats}, ScalarType::Float);
+    p.workspace = static_cast<float *>(t.data_ptr());
+    return t;
   };
   run_kernel(op, "q", q,
              [&] {
                p.splits = fo_attn_bwd_cpu_splits(&p);
-               with_workspace(fo_attn_bwd_cpu_workspace(&p));
+               Tensor ws = workspace(fo_attn_bwd_cpu_workspace(&p));
                return fo_attn_bwd_cpu(&p);
              },
              [&](void *stream) {
                p.wgmma = fo_attn_wgmma_applies(&p);  // once: the workspace's size and the launches agree
-               with_workspace(fo_attn_bwd_cuda_workspace(&p));
+               Tensor ws = workspace(fo_attn_bwd_cuda_workspace(&p));
                return fo_attn_bwd_cuda(&p, stream);
              });
   return {dq, dk, dv};
