@@ -42,6 +42,12 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // q, k, v. deterministic: bitwise-repeatable results.
   m.def("attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Rotary position embedding of q and k (csrc/rope), the rotate-half layout
+  // (Hugging Face's apply_rotary_pos_emb): q [B, Hq, S, D] and k [B, Hk, S, D]
+  // read through their strides, cos and sin [B or 1, S, D] in q's dtype.
+  // Outputs shaped as q and k, [B, S, H, D] in memory. inverse: the transposed
+  // rotation, which maps output gradients to input gradients.
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False) -> (Tensor q_out, Tensor k_out)");
   // Multi-tensor Adam / AdamW (csrc/adam): one step over lists of tensors of one
   // device, one param dtype (fp32, fp16, bf16) and one state dtype (the
   // param's or fp32), updated in place. grads: the params' dtype, never

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import reference
+
 _ops = torch.ops.fusedops
 
 
@@ -222,6 +224,9 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None
 # --------------------------------------------------------------------------- attention
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+
 # Head dims the CUDA kernels take (csrc/attention/attention_{fwd,bwd}_cuda.cu),
 # and below whether each direction is built; the CPU kernels take every head
 # dim and dtype above.
@@ -336,3 +341,50 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                            torch.are_deterministic_algorithms_enabled())
     out = out.transpose(1, 2)  # (B, H, S, D), a view
     return out.reshape(*lead, *out.shape[1:])
+
+
+# --------------------------------------------------------------- RoPE
+_CUDA_ROPE = _has_cuda_kernel("rope")
+
+
+def _rope_gap(q, k, cos, sin, unsqueeze_dim):
+    """Why fusedops' rope kernel cannot take this apply_rotary_pos_emb call
+    (None if it can)."""
+    if unsqueeze_dim not in (1, 2, -3, -2):
+        return f"unsqueeze_dim {unsqueeze_dim}"
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
+        return "q, k not 4-D or cos, sin not 3-D"
+    if q.dtype not in _KERNEL_DTYPES or not (q.dtype == k.dtype == cos.dtype == sin.dtype):
+        return f"dtypes {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}"
+    if not (q.device == k.device == cos.device == sin.device) or q.device.type not in ("cpu", "cuda"):
+        return f"devices {q.device}, {k.device}, {cos.device}, {sin.device}"
+    if q.device.type == "cuda" and not _CUDA_ROPE:
+        return "no CUDA rope kernel in this build"
+    if _needs_grad(cos, sin):
+        return "cos or sin that require grad"
+    return None
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Hugging Face's apply_rotary_pos_emb (the rotate-half RoPE of the Llama,
+    Mistral and Qwen families), same signature and results up to rounding:
+    q * cos + rotate_half(q) * sin, and the same for k, in one kernel call for
+    both and one for their gradients. q (B, Hq, S, D) and k (B, Hk, S, D), or
+    (B, S, H, D) with unsqueeze_dim=2; cos and sin (B or 1, S, D). What the
+    kernel does not take (other ranks or shapes, mixed dtypes, cos or sin that
+    require grad) runs the eager formula (fusedops.reference.rope)."""
+    bshd = unsqueeze_dim in (2, -2)
+    if _rope_gap(q, k, cos, sin, unsqueeze_dim) is None:
+        qh, kh = (q.transpose(1, 2), k.transpose(1, 2)) if bshd else (q, k)
+        if _rope_shapes_fit(qh, kh, cos, sin):
+            qo, ko = _ops.rope(qh, kh, cos, sin)
+            return (qo.transpose(1, 2), ko.transpose(1, 2)) if bshd else (qo, ko)
+    return reference.rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rope_shapes_fit(q, k, cos, sin):
+    """(B, H, S, D) q and k of one batch, seq and even head dim, and cos, sin
+    (B or 1, S, D)."""
+    b, _, s, d = q.shape
+    return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and d % 2 == 0 and cos.shape == sin.shape
+            and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d))

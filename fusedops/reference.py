@@ -50,6 +50,18 @@ def glu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activa
     return F.linear(h, w_down, b_down)
 
 
+def rope(q, k, cos, sin, unsqueeze_dim=1):
+    """Hugging Face's apply_rotary_pos_emb: x * cos + rotate_half(x) * sin for
+    x in (q, k), rotate_half(x) = cat(-x2, x1) of x's halves; cos and sin
+    unsqueezed at unsqueeze_dim to broadcast over the heads."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def attention(q, k, v, causal=False, scale=None, return_lse=False):
     """softmax(scale * q k^T) v on (B, S, H, D) tensors, the S x S matrix
     materialised, in the inputs' dtype. k and v have Hkv heads, Hq a multiple

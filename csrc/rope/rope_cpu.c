@@ -1,0 +1,59 @@
+/* RoPE on the CPU: C11 + OpenMP over positions (batch, seq). At a position,
+ * each tile of kTile columns of the half-row has its cos and sin widened to
+ * fp32 once, then every head of q and k is rotated with them: each input
+ * element read once, each output element written once. Compiled per x86-64
+ * level (FO_ISA_DISPATCH: fp16 through F16C at v3 and v4). Math and layout:
+ * rope.h. */
+#include <omp.h>
+
+#include "../common/cpu_math.h"
+
+#define FO_ROPE_MATH
+#define FO_ROPE_FN static inline
+#include "rope.h"
+
+enum { kTile = 128 };
+
+/* An fp32 view of n elements: the data itself when it is fp32, else widened
+ * into `scratch`. */
+FO_INLINE const float *as_f32(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
+  if (t == FO_F32) return (const float *)p;
+  fo_load_row_at(isa, t, p, scratch, n);
+  return scratch;
+}
+
+FO_INLINE void position_at(const fo_rope_params *p, int64_t b, int64_t s, const int isa) {
+  const fo_dtype t = p->dtype;
+  const int es = fo_dtype_size(t), inv = p->inverse;
+  const int64_t half = p->dim / 2;
+  const char *cr = (const char *)p->cos + (b * p->cb + s * p->cs) * es;
+  const char *sr = (const char *)p->sin + (b * p->sb + s * p->ss) * es;
+  float cbuf[2][kTile], sbuf[2][kTile], xbuf[2][kTile], ybuf[2][kTile];
+  for (int64_t j = 0; j < half; j += kTile) {
+    const int64_t n = half - j < kTile ? half - j : kTile;
+    const float *c1 = as_f32(isa, t, cr + j * es, cbuf[0], n);
+    const float *c2 = as_f32(isa, t, cr + (j + half) * es, cbuf[1], n);
+    const float *s1 = as_f32(isa, t, sr + j * es, sbuf[0], n);
+    const float *s2 = as_f32(isa, t, sr + (j + half) * es, sbuf[1], n);
+    for (int k = 0; k < p->n_tensors; ++k) {
+      const fo_rope_tensor *q = &p->t[k];
+      for (int64_t h = 0; h < q->heads; ++h) {
+        const char *x = (const char *)q->x + (b * q->xb + h * q->xh + s * q->xs + j) * es;
+        char *o = (char *)q->out + (b * q->ob + h * q->oh + s * q->os + j) * es;
+        const float *x1 = as_f32(isa, t, x, xbuf[0], n), *x2 = as_f32(isa, t, x + half * es, xbuf[1], n);
+        /* Results go through scratch in every dtype: out may be x itself. */
+        for (int64_t i = 0; i < n; ++i)
+          fo_rope_pair(x1[i], x2[i], c1[i], c2[i], s1[i], s2[i], inv, &ybuf[0][i], &ybuf[1][i]);
+        fo_store_row_at(isa, t, o, ybuf[0], n);
+        fo_store_row_at(isa, t, o + half * es, ybuf[1], n);
+      }
+    }
+  }
+}
+FO_ISA_DISPATCH(position, (const fo_rope_params *p, int64_t b, int64_t s), (p, b, s))
+
+void fo_rope_cpu(const fo_rope_params *p) {
+  const int64_t n = p->batch * p->seq;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) position(p, i / p->seq, i % p->seq);
+}

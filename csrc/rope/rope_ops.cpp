@@ -1,0 +1,99 @@
+// Registration shim for fusedops::rope: checks the arguments, allocates the
+// outputs ([B, S, H, D] in memory, returned as [B, H, S, D] views: the layout
+// of the projections q and k come from, which the attention reads in place),
+// fills the C params struct, calls the kernel.
+#include "../common/shim.h"
+#include "rope.h"
+
+#include <tuple>
+
+namespace fusedops {
+namespace {
+
+// t with a unit-stride last dim (a copy when it has not).
+Tensor unit_last(const Tensor &t) {
+  const int64_t last = t.dim() - 1;
+  return t.size(last) <= 1 || t.stride(last) == 1 ? t : torch::stable::contiguous(t);
+}
+
+void check_qk(const char *op, const char *arg, const Tensor &t, const Tensor &q) {
+  STD_TORCH_CHECK(t.dim() == 4, op, ": ", arg, " has shape ", shape_str(t),
+                  ", expected 4 dimensions [batch, heads, seq, head_dim]");
+  if (&t == &q) {
+    STD_TORCH_CHECK(t.size(3) % 2 == 0, op, ": q has shape ", shape_str(t),
+                    ", expected an even head_dim (its halves are rotated against each other)");
+    return;
+  }
+  check_same_device(op, arg, t, q, "q");
+  STD_TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", arg, " has dtype ",
+                  dtype_name(t.scalar_type()), ", expected the dtype of q (",
+                  dtype_name(q.scalar_type()), ")");
+  STD_TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && t.size(3) == q.size(3), op,
+                  ": ", arg, " has shape ", shape_str(t), ", expected q's batch, seq and head_dim (q has shape ",
+                  shape_str(q), ")");
+}
+
+void check_table(const char *op, const char *arg, const Tensor &t, const Tensor &q) {
+  check_same_device(op, arg, t, q, "q");
+  STD_TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", arg, " has dtype ",
+                  dtype_name(t.scalar_type()), ", expected the dtype of q (",
+                  dtype_name(q.scalar_type()), ")");
+  STD_TORCH_CHECK(t.dim() == 3 && (t.size(0) == 1 || t.size(0) == q.size(0)) && t.size(1) == q.size(2) &&
+                      t.size(2) == q.size(3),
+                  op, ": ", arg, " has shape ", shape_str(t), ", expected [", q.size(0), " or 1, ", q.size(2),
+                  ", ", q.size(3), "] ([batch, seq, head_dim] of q, shape ", shape_str(q), ")");
+}
+
+// [B, H, S, D] output: [B, S, H, D] in memory.
+Tensor out_like(const Tensor &x) {
+  Tensor o = torch::stable::new_empty(x, {x.size(0), x.size(2), x.size(1), x.size(3)}, x.scalar_type());
+  return torch::stable::transpose(o, 1, 2);
+}
+
+fo_rope_tensor rope_tensor(const Tensor &x, const Tensor &o) {
+  return {x.data_ptr(), o.data_ptr(), x.size(1), x.stride(0), x.stride(1), x.stride(2),
+          o.stride(0),  o.stride(1),  o.stride(2)};
+}
+
+std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
+  const char *op = "fusedops.rope";
+  kernel_dtype(op, "q", q);
+  check_qk(op, "q", q, q);
+  check_qk(op, "k", k, q);
+  check_table(op, "cos", cos, q);
+  check_table(op, "sin", sin, q);
+  q = unit_last(q), k = unit_last(k), cos = unit_last(cos), sin = unit_last(sin);
+  Tensor qo = out_like(q), ko = out_like(k);
+  fo_rope_params p{};
+  p.t[0] = rope_tensor(q, qo);
+  p.t[1] = rope_tensor(k, ko);
+  p.n_tensors = 2;
+  p.batch = q.size(0), p.seq = q.size(2), p.dim = q.size(3);
+  p.cos = cos.data_ptr(), p.sin = sin.data_ptr();
+  p.cb = cos.size(0) == 1 ? 0 : cos.stride(0), p.cs = cos.stride(1);
+  p.sb = sin.size(0) == 1 ? 0 : sin.stride(0), p.ss = sin.stride(1);
+  p.inverse = inverse;
+  p.dtype = kernel_dtype(op, "q", q);
+  if (p.batch == 0 || p.seq == 0 || p.dim == 0 || q.size(1) + k.size(1) == 0) return {qo, ko};
+  if (q.is_cpu()) {
+    fo_rope_cpu(&p);
+  } else {
+#ifdef FUSEDOPS_WITH_CUDA
+    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    const char *err = fo_rope_cuda(&p, current_cuda_stream(q));
+    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
+#else
+    STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
+#endif
+  }
+  return {qo, ko};
+}
+
+}  // namespace
+}  // namespace fusedops
+
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) { m.impl("rope", TORCH_BOX(&fusedops::rope)); }
+
+#ifdef FUSEDOPS_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) { m.impl("rope", TORCH_BOX(&fusedops::rope)); }
+#endif
