@@ -17,11 +17,14 @@ others from Llama's):
                         activations silu and gelu-tanh
   <Family>DecoderLayer  fuse_residual: the residual adds go into the norms after
                         them (see _decoder_forward)
+  <Family>Attention     attention: its own forward, with RoPE of q and k in one
+                        fused call (fusedops.functional.apply_rotary_pos_emb)
 
 fusedops.patch(model) uses them; nothing here needs calling by hand.
 """
 import importlib
 import inspect
+import types
 import warnings
 
 import torch
@@ -270,6 +273,28 @@ def _decoder_source(cls):
     return inspect.getsource(inspect.unwrap(cls.forward)).split(":", 1)[1]  # without the def line
 
 
+# --------------------------------------------------------------- attention module
+def _rope_forward(cls):
+    """cls.forward with the name apply_rotary_pos_emb in it bound to
+    fusedops.functional.apply_rotary_pos_emb: the same code over a copy of its
+    module's globals, so that nothing changes for unpatched models. None when
+    the forward does not call that name."""
+    f = cls.forward
+    if "apply_rotary_pos_emb" not in getattr(getattr(f, "__code__", None), "co_names", ()):
+        return None
+    g = dict(f.__globals__, apply_rotary_pos_emb=F.apply_rotary_pos_emb)
+    fused = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+    fused.__kwdefaults__, fused.__doc__, fused.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
+    return fused
+
+
+def _make_attention(module):
+    forward = _rope_forward(type(module))
+    if forward is None:
+        return "its forward does not call apply_rotary_pos_emb"
+    return fused_class(type(module), {"forward": forward})
+
+
 # --------------------------------------------------------------- the table
 _table = None
 
@@ -287,8 +312,11 @@ def replacements():
             mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
         except ImportError:
             continue
-        norm, mlp, decoder = (getattr(mod, prefix + s, None) for s in ("RMSNorm", "MLP", "DecoderLayer"))
+        norm, mlp, decoder, attn = (getattr(mod, prefix + s, None)
+                                    for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention"))
         entries = [(norm, "norm", _make_rms_norm, _NORM), (mlp, "swiglu", _make_mlp, _MLP)]
+        if attn is not None and _rope_forward(attn) is not None:
+            entries.append((attn, "attention", _make_attention, {"forward": _rope_forward(attn)}))
         if decoder is not None:
             args = list(inspect.signature(inspect.unwrap(decoder.forward)).parameters)
             llama_decoder = llama_decoder or _decoder_source(decoder)

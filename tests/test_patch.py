@@ -160,7 +160,7 @@ FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3"]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_patched_matches_unpatched(family, dtype):
+def test_hf_patched_matches_unpatched(family, dtype, monkeypatch):
     torch.manual_seed(0)
     m = _hf_model(family)
     ref = copy.deepcopy(m).double()
@@ -177,11 +177,16 @@ def test_hf_patched_matches_unpatched(family, dtype):
         counts[old] = counts.get(old, 0) + 1
         assert new == "Fused" + old
     norms = 2 * 2 + 1 + (2 * 2 if family == "Qwen3" else 0)  # Qwen3 also norms q and k per head
-    assert counts == {f"{family}RMSNorm": norms, f"{family}MLP": 2, f"{family}DecoderLayer": 2}
+    assert counts == {f"{family}RMSNorm": norms, f"{family}MLP": 2, f"{family}DecoderLayer": 2,
+                      f"{family}Attention": 2}
     assert m.fusedops_report.attention == [("", "sdpa", "fusedops")] and not m.fusedops_report.skipped
     assert m.config._attn_implementation == "fusedops"
 
-    logits, g = _hf_run(m, ids)
+    def no_formula(*args, **kwargs):
+        raise AssertionError("RoPE ran the eager formula, not fusedops' kernel")
+    with monkeypatch.context() as mp:
+        mp.setattr(fusedops.reference, "rope", no_formula)
+        logits, g = _hf_run(m, ids)
     assert_close_2x(logits, logits64, logits0, f"{family} logits")
     for n in g0:
         assert_close_2x(g[n], g64[n], g0[n], f"{family} grad {n}")
