@@ -40,8 +40,8 @@ typedef struct fo_rope_params {
   fo_dtype dtype; /* of every tensor */
 } fo_rope_params;
 
-/* CPU (rope_cpu.c, OpenMP over positions). */
-void fo_rope_cpu(const fo_rope_params *p);
+/* CPU (rope_cpu.c, OpenMP over positions). It allocates nothing: NULL, always. */
+const char *fo_rope_cpu(const fo_rope_params *p);
 
 /* CUDA (rope_cuda.cu). Launch on `stream` (a cudaStream_t); NULL on success,
  * or a static message naming the CUDA error. */

@@ -75,17 +75,8 @@ std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool
   p.inverse = inverse;
   p.dtype = kernel_dtype(op, "q", q);
   if (p.batch == 0 || p.seq == 0 || p.dim == 0 || q.size(1) + k.size(1) == 0) return {qo, ko};
-  if (q.is_cpu()) {
-    fo_rope_cpu(&p);
-  } else {
-#ifdef FUSEDOPS_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-    const char *err = fo_rope_cuda(&p, current_cuda_stream(q));
-    STD_TORCH_CHECK(err == nullptr, op, ": CUDA error: ", err);
-#else
-    STD_TORCH_CHECK(false, op, ": q is on ", device_name(q), ", expected cpu (built without CUDA)");
-#endif
-  }
+  run_kernel(op, "q", q, [&] { return fo_rope_cpu(&p); },
+             [&](void *stream) { return fo_rope_cuda(&p, stream); });
   return {qo, ko};
 }
 
