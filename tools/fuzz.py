@@ -7,7 +7,7 @@ random shapes (aligned widths and odd ones, empty ones), memory layouts
                          [--size small|large] [--case N]
 
 Ops: norm (add + LayerNorm / RMSNorm), glu (SwiGLU / GeGLU), glu_packed, mlp
-(fusedops.functional.glu_mlp: the in-place backward ops), attention, adam.
+(fusedops.functional.glu_mlp: the in-place backward ops), attention, rope, adam.
 --cases is per op. Each case draws from its own generator, seeded by (seed,
 op, case number), so a failure printed as "FAIL norm #17 ..." reruns alone
 with --ops norm --case 17 (and the same --seed, --size and --device). Prints
@@ -34,6 +34,7 @@ from fusedops import functional as FF, reference  # noqa: E402
 import test_adam  # noqa: E402
 import test_attention  # noqa: E402
 import test_norm  # noqa: E402
+import test_rope  # noqa: E402
 import test_swiglu  # noqa: E402
 from conftest import randn  # noqa: E402
 
@@ -244,6 +245,26 @@ def fuzz_attention(rng, device, size):
     return f"{c}{' deterministic' if deterministic else ''}", run
 
 
+# --------------------------------------------------------------------------- rope
+
+def fuzz_rope(rng, device, size):
+    """fusedops.functional.apply_rotary_pos_emb on q and k together: GQA / MQA,
+    even head dims (halves of any width), (B, H, S, D) tensors or the
+    transposed views of (B, S, H, D) ones, model tables or random ones, shared
+    over the batch or not."""
+    dtype = rng.choice(LOWP)
+    hk = rng.randint(1, 3)
+    hq = hk * rng.randint(1, 4)
+    d = 2 * rng.choice([1, 3, 4, 5, 8, 16, 32, 64] + ([] if size == "small" else [128]))
+    s = rng.randint(1, 70) if size == "small" else rng.choice([rng.randint(1, 200), rng.randint(1, 2000)])
+    b, kind, layout = rng.randint(1, 3), rng.choice(["rope", "random"]), rng.choice(["bhsd", "bshd"])
+    shared = kind == "rope" or rng.random() < 0.5
+    q, k = test_rope.qk(b, hq, hk, s, d, dtype, device, layout)
+    cos, sin = test_rope.tables(1 if shared else b, s, d, dtype, device, kind)
+    desc = f"(b={b}, hq={hq}, hk={hk}, s={s}, d={d}) {dname(dtype)} {layout} {kind}{' shared' if shared else ''}"
+    return desc, lambda: test_rope.check(q, k, cos, sin, desc)
+
+
 # --------------------------------------------------------------------------- adam
 
 def fuzz_adam(rng, device, size):
@@ -263,7 +284,7 @@ def fuzz_adam(rng, device, size):
 
 
 OPS = {"norm": fuzz_norm, "glu": fuzz_glu, "glu_packed": fuzz_glu_packed, "mlp": fuzz_mlp,
-       "attention": fuzz_attention, "adam": fuzz_adam}
+       "attention": fuzz_attention, "rope": fuzz_rope, "adam": fuzz_adam}
 
 
 def case_seed(seed, op, i):

@@ -4,7 +4,8 @@ small odd shapes: the program tools/sanitize.sh runs under compute-sanitizer
 helpers (tests/test_<op>.py); the shapes are chosen so that every kernel and
 every variant of it runs (register and loop kernels of the norms, each vector
 width of the GLU kernel, every head dim of attention with and without the
-causal mask, the atomic and the deterministic dQ, each Adam dtype pairing on
+causal mask, the atomic and the deterministic dQ, each vector width of RoPE,
+each Adam dtype pairing on
 the vector and the scalar path). Prints one line per op and a summary.
     python tools/sanitize_kernels.py        (needs a CUDA GPU; ~2 s without the sanitizer)"""
 import os
@@ -19,6 +20,7 @@ import fusedops  # noqa: E402,F401
 import test_adam  # noqa: E402
 import test_attention  # noqa: E402
 import test_norm  # noqa: E402
+import test_rope  # noqa: E402
 import test_swiglu  # noqa: E402
 from conftest import randn  # noqa: E402
 
@@ -89,6 +91,21 @@ def run_attention():
     return n
 
 
+def run_rope():
+    """Each vector width (16 bytes, 8, 4, 2 elements, 1: half-dims 64, 4, 2, 3
+    at 16 bits; 32, 5 at fp32), both layouts, GQA, tables shared over the batch
+    and not; forward and the backward (the inverse rotation)."""
+    n = 0
+    for dtype, d in [(BF16, 128), (F16, 8), (BF16, 4), (F16, 6), (F32, 64), (F32, 10)]:
+        for layout, kind in (("bshd", "rope"), ("bhsd", "random")):
+            q, k = test_rope.qk(2, 4, 2, 37, d, dtype, DEV, layout)
+            cos, sin = test_rope.tables(1 if kind == "rope" else 2, 37, d, dtype, DEV, kind)
+            test_rope.run(fusedops.functional.apply_rotary_pos_emb, q, k, cos, sin, torch.randn_like(q),
+                          torch.randn_like(k))
+            n += 1
+    return n
+
+
 def run_adam():
     """Each param / state dtype pairing, amsgrad, tensor lr and grad scale,
     found_inf set and not, ragged ends (the scalar path) and more tensors than
@@ -115,7 +132,8 @@ def main():
     assert DEV == "cpu" or torch.cuda.is_available(), "sanitize_kernels: needs a CUDA GPU"
     torch.manual_seed(0)
     counts = {}
-    for name, fn in (("norm", run_norm), ("glu", run_glu), ("attention", run_attention), ("adam", run_adam)):
+    for name, fn in (("norm", run_norm), ("glu", run_glu), ("attention", run_attention), ("rope", run_rope),
+                     ("adam", run_adam)):
         counts[name] = fn()
         if DEV == "cuda":
             torch.cuda.synchronize()
