@@ -29,6 +29,14 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // glu_packed_bwd writing [dgate | dup] over gate_up and act(gate) * up over
   // dout (both contiguous).
   m.def("glu_packed_bwd_(Tensor(a!) dout, Tensor(b!) gate_up, str activation) -> ()");
+  // Cross-entropy (csrc/xent) of logits [rows, classes] (fp32, fp16 or bf16)
+  // against class indices target [rows] (int64): loss [rows] fp32, lse - the
+  // target's logit (0 where target == ignore_index), and lse [rows] fp32 (the
+  // natural-log logsumexp of each row, for the backward). xent_bwd: dlogits =
+  // dloss (softmax - onehot(target)) row by row, in logits' dtype, 0 on ignored
+  // rows; dloss [rows] fp32, any stride (0: one value for all).
+  m.def("xent_fwd(Tensor logits, Tensor target, int ignore_index) -> (Tensor loss, Tensor lse)");
+  m.def("xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index) -> Tensor");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a

@@ -388,3 +388,64 @@ def _rope_shapes_fit(q, k, cos, sin):
     b, _, s, d = q.shape
     return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and d % 2 == 0 and cos.shape == sin.shape
             and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d))
+
+# --------------------------------------------------------------------------- cross-entropy
+_CUDA_XENT = _has_cuda_kernel("xent_fwd")
+_XENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _xent_gap(logits, target, weight, label_smoothing):
+    """Why fusedops' cross-entropy kernel cannot take this call (None if it can)."""
+    if logits.dim() != 2:
+        return f"input of shape {tuple(logits.shape)} (the kernel takes [rows, classes])"
+    if target.dim() != 1 or target.dtype != torch.int64:
+        return "targets that are not int64 class indices"
+    if weight is not None:
+        return "class weights"
+    if label_smoothing:
+        return "label smoothing"
+    if logits.dtype not in _XENT_DTYPES:
+        return f"{logits.dtype} input"
+    if logits.device.type == "cuda" and not _CUDA_XENT:
+        return "no CUDA cross-entropy kernel in this build"
+    if logits.device.type not in ("cpu", "cuda"):
+        return f"{logits.device.type} tensors"
+    return None
+
+
+def _xent_f32(logits, target, ignore_index, reduction, num_items=None):
+    """The loss in fp32, reduced as asked; num_items replaces the mean's count
+    of non-ignored targets (Hugging Face's num_items_in_batch)."""
+    loss, _ = _ops.xent_fwd(logits, target, ignore_index)
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum" and num_items is None:
+        return total
+    count = (target != ignore_index).sum() if num_items is None else num_items
+    if torch.is_tensor(count):
+        count = count.to(total.device)
+    return total / count
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy, same signature and results up to
+    rounding, for [rows, classes] logits and int64 class indices: one pass
+    over the logits forward (an online logsumexp in fp32, whatever their
+    dtype) and one backward, without the fp32 copy of 16-bit logits that
+    upcasting first makes. Other calls (class weights, label smoothing,
+    probabilities as targets, other ranks) go to torch's function, with a
+    warning the first time. On CUDA a target out of range gives a NaN loss
+    (torch's kernel asserts); on the CPU it raises."""
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"fusedops.functional.cross_entropy: reduction is {reduction!r}, "
+                         "expected 'none', 'mean' or 'sum'")
+    gap = _xent_gap(input, target, weight, label_smoothing)
+    if gap is not None:
+        if gap not in _warned and not torch.compiler.is_compiling():
+            _warned.add(gap)
+            warnings.warn(f"fusedops.functional.cross_entropy: {gap} is not supported by fusedops' "
+                          "kernel; calling torch's", stacklevel=2)
+        return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index,
+                               reduction=reduction, label_smoothing=label_smoothing)
+    return _xent_f32(input, target, ignore_index, reduction).to(input.dtype)

@@ -20,6 +20,10 @@ others from Llama's):
   <Family>Attention     attention: its own forward, with RoPE of q and k in one
                         fused call (fusedops.functional.apply_rotary_pos_emb)
 
+and, with fusedops.patch(model, loss=True), a causal LM's loss function
+becomes causal_lm_loss: transformers' ForCausalLMLoss on fusedops'
+cross-entropy kernel, without the fp32 copy of the logits.
+
 fusedops.patch(model) uses them; nothing here needs calling by hand.
 """
 import importlib
@@ -30,6 +34,7 @@ import warnings
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import functional as F
@@ -136,6 +141,40 @@ def set_attention(model, report):
         report.attention.append((path, old, NAME))
 
 
+# --------------------------------------------------------------- the loss
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                   shift_labels=None, **kwargs):
+    """transformers' ForCausalLMLoss (same arguments, same result up to
+    rounding: the fp32 mean over the targets that are not ignore_index, or the
+    sum over num_items_in_batch) through fusedops.functional's cross-entropy
+    kernel, which reads the logits in their own dtype instead of an fp32 copy
+    of them. What the kernel does not take goes to ForCausalLMLoss."""
+    if shift_labels is None:
+        target = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        target = shift_labels
+    flat = logits.reshape(-1, vocab_size)
+    target = target.reshape(-1).to(flat.device)
+    if F._xent_gap(flat, target, None, 0.0) is not None:
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                               shift_labels=shift_labels, **kwargs)
+    return F._xent_f32(flat, target, ignore_index, "sum" if num_items_in_batch is not None else "mean",
+                       num_items_in_batch)
+
+
+def set_loss(model, report):
+    """Every Hugging Face (sub)model in `model` whose loss function is
+    ForCausalLMLoss to causal_lm_loss, remembering what it had for unpatch."""
+    for path, m in model.named_modules():
+        if not isinstance(m, PreTrainedModel) or "_fusedops_loss" in m.__dict__:
+            continue
+        if m.loss_function is not ForCausalLMLoss:
+            continue
+        m.__dict__["_fusedops_loss"] = m.__dict__.get("_loss_function")
+        m.loss_function = causal_lm_loss
+        report.loss.append((path, "ForCausalLMLoss", "fusedops.hf.causal_lm_loss"))
+
+
 def _configs(model):
     return [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
 
@@ -144,6 +183,12 @@ def restore_attention(module):
     old = module.__dict__.get("_fusedops_attn_implementation")
     if old is not None and isinstance(module, PreTrainedModel):
         module.set_attn_implementation(old)
+    if "_fusedops_loss" in module.__dict__:
+        old = module.__dict__.pop("_fusedops_loss")
+        if old is None:
+            module.__dict__.pop("_loss_function", None)
+        else:
+            module.loss_function = old
 
 
 # --------------------------------------------------------------- RMSNorm

@@ -99,10 +99,12 @@ def is_fused(module):
 class PatchReport:
     """What fusedops.patch did: replaced is [(module path, old class, new class)],
     skipped is [(module path, class, why it was not replaced)], attention is
-    [(module path, old implementation, new)]."""
+    [(module path, old implementation, new)], loss [(module path, old loss
+    function, new)]."""
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     attention: list = field(default_factory=list)
+    loss: list = field(default_factory=list)
 
     def __str__(self):
         lines = [f"fusedops.patch: replaced {len(self.replaced)} module(s)"]
@@ -110,6 +112,8 @@ class PatchReport:
             lines.append(f"  {n} x {old} -> {new}")
         for path, old, new in self.attention:
             lines.append(f"  attention of {path or 'the model'}: {old} -> {new}")
+        for path, old, new in self.loss:
+            lines.append(f"  loss of {path or 'the model'}: {old} -> {new}")
         if self.skipped:
             lines.append(f"not replaced: {len(self.skipped)} module(s)")
             for (cls, why), paths in _group(self.skipped).items():
@@ -184,7 +188,7 @@ def _swap(module, made):
     return old
 
 
-def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
+def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, loss=True):
     """Replace the layers of `model` that fusedops has fused kernels for, in
     place, and return the model.
 
@@ -194,7 +198,9 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
     (fusedops.functional.scaled_dot_product_attention). fuse_residual: in their
     decoder layers, the residual add before the post-attention norm and the one
     before the next layer's input norm (or the final norm) become fused
-    add+norm calls.
+    add+norm calls. loss: a Hugging Face causal LM's loss (ForCausalLMLoss)
+    becomes fusedops.hf.causal_lm_loss, the cross-entropy kernel on the logits
+    in their own dtype.
 
     The report (model.fusedops_report, also logged to the "fusedops" logger)
     lists what was replaced and what was not, and why. Patching twice changes
@@ -203,7 +209,7 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
     Patch before wrapping the model (torch.compile, FSDP, LoRA adapters):
     classes a wrapper made (FSDP's, say) are not in the table, and an MLP
     whose projections an adapter wraps runs its original forward."""
-    flags = dict(norm=norm, swiglu=swiglu, attention=attention, fuse_residual=fuse_residual)
+    flags = dict(norm=norm, swiglu=swiglu, attention=attention, fuse_residual=fuse_residual, loss=loss)
     _check_args(model, flags)
     hf = _hf()
     table = {**REPLACEMENTS, **(hf.replacements() if hf else {})}
@@ -229,6 +235,8 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
         _link_residual_chains(model)
     if attention and hf:
         hf.set_attention(model, report)
+    if loss and hf:
+        hf.set_loss(model, report)
     model.__dict__["fusedops_report"] = report
     log.info("%s", report)
     for path, cls, why in report.skipped:
@@ -238,7 +246,7 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True):
 
 def unpatch(model):
     """Put back every layer fusedops.patch replaced in `model` (and its
-    attention implementation); returns the model."""
+    attention implementation and loss function); returns the model."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusedops.unpatch: model is a {type(model).__name__}, expected a torch.nn.Module")
     hf = _hf()

@@ -31,12 +31,6 @@
 #include <math.h>
 #include "../common/fo_types.h"
 
-#if defined(__CUDACC__)
-#define FO_HD static __host__ __device__ __forceinline__
-#else
-#define FO_HD static inline
-#endif
-
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -24,6 +24,7 @@
 
 #include "attention.h"
 #include "../common/cpu_dtype.h"
+#include "../common/cpu_scratch.h"
 
 /* -std=c11 turns floating-point contraction off; the tile products want FMA.
  * The vector code is written out (v8f below); the SLP vectoriser only got in
@@ -276,18 +277,6 @@ static int carve_again(carver *c) {
   return c->base != NULL;
 }
 
-/* Inside a parallel region, after each thread has tried to allocate its
- * scratch block: whether every thread has one (a barrier: all threads return
- * the same, so all take the same worksharing loops). */
-static int every_thread_has(const uint32_t *block, int *missing) {
-  if (!block) {
-#pragma omp atomic write
-    *missing = 1;
-  }
-#pragma omp barrier
-  return !*missing;
-}
-
 /* The block a thread's scratch lies in (NULL: out of memory); free() it. */
 static uint32_t *fwd_scratch_init(fwd_scratch *w, int64_t Dp) {
   carver c = {NULL, 0};
@@ -510,7 +499,7 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
 #else
     uint32_t *block = fwd_scratch_init(&w, Dp);
 #endif
-    if (every_thread_has(block, &missing)) {
+    if (fo_every_thread_has(block, &missing)) {
       /* dynamic: causal tiles differ in cost */
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
@@ -795,7 +784,7 @@ const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
     uint32_t *block = bwd_scratch_init(&w, Dp);
     float *tmp = w.tmp;
 #endif
-    if (every_thread_has(block, &missing)) {
+    if (fo_every_thread_has(block, &missing)) {
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < rows; ++row) bwd_delta(p, row, delta, tmp);
       /* the implicit barrier: delta is complete */

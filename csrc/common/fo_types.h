@@ -11,6 +11,13 @@ typedef enum fo_dtype {
 
 static inline int fo_dtype_size(fo_dtype t) { return t == FO_F32 ? 4 : 2; }
 
+/* A helper of an op's header that the CPU and the CUDA kernels both call. */
+#if defined(__CUDACC__)
+#define FO_HD static __host__ __device__ __forceinline__
+#else
+#define FO_HD static inline
+#endif
+
 /* What a C CPU kernel returns when its own scratch (malloc'd, outside torch's
  * allocator) could not be had; NULL means it ran. The shim raises it. */
 #define FO_CPU_OOM "out of memory for the CPU kernel's scratch"
