@@ -7,7 +7,8 @@ random shapes (aligned widths and odd ones, empty ones), memory layouts
                          [--size small|large] [--case N]
 
 Ops: norm (add + LayerNorm / RMSNorm), glu (SwiGLU / GeGLU), glu_packed, mlp
-(fusedops.functional.glu_mlp: the in-place backward ops), attention, rope, adam.
+(fusedops.functional.glu_mlp: the in-place backward ops), attention, rope, xent
+(cross-entropy), adam.
 --cases is per op. Each case draws from its own generator, seeded by (seed,
 op, case number), so a failure printed as "FAIL norm #17 ..." reruns alone
 with --ops norm --case 17 (and the same --seed, --size and --device). Prints
@@ -36,6 +37,7 @@ import test_attention  # noqa: E402
 import test_norm  # noqa: E402
 import test_rope  # noqa: E402
 import test_swiglu  # noqa: E402
+import test_xent  # noqa: E402
 from conftest import randn  # noqa: E402
 
 LOWP = [torch.float32, torch.float16, torch.bfloat16]
@@ -263,6 +265,24 @@ def fuzz_rope(rng, device, size):
     cos, sin = test_rope.tables(1 if shared else b, s, d, dtype, device, kind)
     desc = f"(b={b}, hq={hq}, hk={hk}, s={s}, d={d}) {dname(dtype)} {layout} {kind}{' shared' if shared else ''}"
     return desc, lambda: test_rope.check(q, k, cos, sin, desc)
+# --------------------------------------------------------------------------- cross-entropy
+
+def fuzz_xent(rng, device, size):
+    """fusedops.functional.cross_entropy: any vocab (1 up to a Llama-3's on a
+    GPU), a share of ignored targets (none to all), dense, column-sliced or
+    transposed logits, each reduction."""
+    dtype = rng.choice(LOWP)
+    vocab = rng.choice([1, 2, 7, 33, 100, 1000, 4097] + ([] if size == "small" else [32000, 50257, 128256]))
+    rows = rng.randint(1, 40 if size == "small" else (300 if vocab > 10000 else 3000))
+    ignored = rng.choice([0.0, 0.0, 0.1, 0.5, 1.0])
+    layout = rng.choice(["dense", "dense", "slice", "transposed"])
+    reduction = rng.choice(["mean", "sum", "none"])
+    x, t = test_xent.make(rows, vocab, dtype, device, ignored=ignored, spread=rng.choice([0.5, 3.0, 10.0]),
+                          layout=layout)
+    desc = f"{rows}x{vocab} {dname(dtype)} {layout} ignored={ignored} {reduction}"
+    if ignored == 1.0 and reduction == "mean":  # 0 / 0: NaN, as torch's (test_all_ignored_is_nan_as_torch)
+        reduction = "sum"
+    return desc, lambda: test_xent.check(x, t, reduction, desc)
 
 
 # --------------------------------------------------------------------------- adam
@@ -284,7 +304,7 @@ def fuzz_adam(rng, device, size):
 
 
 OPS = {"norm": fuzz_norm, "glu": fuzz_glu, "glu_packed": fuzz_glu_packed, "mlp": fuzz_mlp,
-       "attention": fuzz_attention, "rope": fuzz_rope, "adam": fuzz_adam}
+       "attention": fuzz_attention, "rope": fuzz_rope, "xent": fuzz_xent, "adam": fuzz_adam}
 
 
 def case_seed(seed, op, i):

@@ -4,9 +4,9 @@ small odd shapes: the program tools/sanitize.sh runs under compute-sanitizer
 helpers (tests/test_<op>.py); the shapes are chosen so that every kernel and
 every variant of it runs (register and loop kernels of the norms, each vector
 width of the GLU kernel, every head dim of attention with and without the
-causal mask, the atomic and the deterministic dQ, each vector width of RoPE,
-each Adam dtype pairing on
-the vector and the scalar path). Prints one line per op and a summary.
+causal mask, the atomic and the deterministic dQ, each vector width of RoPE
+and of the cross-entropy, each Adam dtype pairing on the vector and the
+scalar path). Prints one line per op and a summary.
     python tools/sanitize_kernels.py        (needs a CUDA GPU; ~2 s without the sanitizer)"""
 import os
 import sys
@@ -22,6 +22,7 @@ import test_attention  # noqa: E402
 import test_norm  # noqa: E402
 import test_rope  # noqa: E402
 import test_swiglu  # noqa: E402
+import test_xent  # noqa: E402
 from conftest import randn  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -103,6 +104,16 @@ def run_rope():
             test_rope.run(fusedops.functional.apply_rotary_pos_emb, q, k, cos, sin, torch.randn_like(q),
                           torch.randn_like(k))
             n += 1
+def run_xent():
+    """Each vector width (16 bytes: vocab a multiple of 8 at 16 bits, 4 at
+    fp32; 2 elements; 1), column-sliced rows, ignored targets; forward and
+    backward."""
+    n = 0
+    for dtype, vocab, layout in [(BF16, 32000, "dense"), (F16, 1002, "dense"), (BF16, 999, "dense"),
+                                 (F32, 1000, "slice"), (F32, 77, "dense"), (BF16, 4096, "transposed")]:
+        x, t = test_xent.make(37, vocab, dtype, DEV, layout=layout)
+        test_xent.run(fusedops.functional.cross_entropy, x, t, "mean", torch.tensor(1.0, device=DEV))
+        n += 1
     return n
 
 
@@ -133,7 +144,7 @@ def main():
     torch.manual_seed(0)
     counts = {}
     for name, fn in (("norm", run_norm), ("glu", run_glu), ("attention", run_attention), ("rope", run_rope),
-                     ("adam", run_adam)):
+                     ("xent", run_xent), ("adam", run_adam)):
         counts[name] = fn()
         if DEV == "cuda":
             torch.cuda.synchronize()
