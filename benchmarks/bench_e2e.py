@@ -39,7 +39,7 @@ import fusedops  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 MODES = ("eager", "compile", "fusedops", "fusedops+compile")
-WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "adamw")
+WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "loss", "adamw")
 GiB = 1 << 30
 
 # ANCHORS.md, End to end.
