@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as TF
 
 from fusedops import functional as FF
-from conftest import assert_unchanged, maybe_poisoned, raises_unchanged, snapshot
+from conftest import assert_unchanged, maybe_poisoned, raises_unchanged, requires_cuda, snapshot
 from tolerances import assert_close_2x
 
 LOWP = [torch.float32, torch.float16, torch.bfloat16]
@@ -107,6 +107,17 @@ def test_target_out_of_range_raises_on_cpu():
                      r"fusedops.xent_fwd: target\[3\] is 10, expected a class in \[0, 10\) or ignore_index \(-100\)")
     t[3] = -1
     raises_unchanged(lambda x, t: FF.cross_entropy(x, t), dict(x=x, t=t), r"target\[3\] is -1")
+
+
+@requires_cuda
+def test_target_out_of_range_is_nan_on_cuda():
+    """No sync to check the targets on a GPU: that row's loss is NaN (and so
+    is the mean), the other rows are right."""
+    x, t = make(5, 10, torch.bfloat16, "cuda", ignored=0.0)
+    t[3] = 10
+    loss, _ = torch.ops.fusedops.xent_fwd(x, t, IGNORE)
+    assert loss[3].isnan() and not loss[[0, 1, 2, 4]].isnan().any()
+    assert FF.cross_entropy(x, t).isnan()
 
 
 def _bad(device):
