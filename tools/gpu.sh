@@ -7,7 +7,7 @@
 #       CUDA, tools/huge.py, tools/sanitize.sh per tool, tools/fuzz.py; one
 #       summary line each, printed as each ends and again last)
 # Environment: PYTEST_ARGS (extra pytest args, e.g. "-k cuda"), FUZZ_CASES
-# (per op, default 300; 0 skips), SANITIZE_TOOLS (default "memcheck initcheck
+# (per op, default 300; 0 skips), FUZZ_OPS (default every op, e.g. "rope,xent"), SANITIZE_TOOLS (default "memcheck initcheck
 # racecheck"; "none" skips), RELIABILITY_TIMEOUT (seconds each reliability
 # step may take, default 170), RELIABILITY_DEADLINE (seconds from the start,
 # build included, after which no step starts or runs on; default 540). Logs and results go to $OUT (the device tool's
@@ -35,7 +35,7 @@ if [[ $what == test || $what == all ]]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
   summary+="tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t0 )) s)"$'\n'
   if [[ ${FUZZ_CASES:-300} != 0 ]]; then
-    python3 tools/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}" >"$OUT/fuzz.log" 2>&1
+    python3 tools/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}" ${FUZZ_OPS:+--ops "$FUZZ_OPS"} >"$OUT/fuzz.log" 2>&1
     frc=$?; rc=$(( rc || frc ))
     grep FAIL "$OUT/fuzz.log" | head -10
     summary+="$(tail -1 "$OUT/fuzz.log")"$'\n'
