@@ -88,15 +88,20 @@ def test_all_ignored_is_nan_as_torch(device):
 
 def test_nan_and_inf_as_torch(device):
     """A NaN logit makes its row's loss NaN; -inf logits (masked classes) are
-    classes of probability 0 and change nothing else."""
+    classes of probability 0 and change nothing else; a +inf logit makes the
+    row's loss NaN, as torch's (its log_softmax subtracts an infinite max)."""
     x, t = make(6, 50, torch.float32, device, ignored=0.0)
     x[1, 7] = float("nan")
     x[2, :10] = float("-inf")
     t[2] = 20
+    x[3, 5] = float("inf")   # +inf elsewhere than the target: NaN, as torch's
+    x[4, 9] = float("inf")   # and at the target
+    t[4] = 9
     got = FF.cross_entropy(x, t, reduction="none")
     want = TF.cross_entropy(x.double(), t, reduction="none")
     assert torch.equal(got.isnan(), want.isnan()), (got, want)
-    ok = ~want.isnan()
+    assert torch.equal(got.isinf(), want.isinf()), (got, want)
+    ok = want.isfinite()
     torch.testing.assert_close(got[ok].double(), want[ok], rtol=1e-5, atol=1e-5)
 
 

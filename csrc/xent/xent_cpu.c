@@ -16,8 +16,8 @@ static const void *row_at(const fo_xent_params *p, int64_t r) {
 
 /* log sum exp of x[0..n), overwriting x with exp(x - max): max first, then
  * the exponentials summed by fo_sum (16 partial sums: at 32000 classes a
- * running sum loses ~10x torch's accuracy). A NaN anywhere gives NaN; all
- * -inf gives -inf (torch's logsumexp does the same). */
+ * running sum loses ~10x torch's accuracy). A NaN or a +inf anywhere gives
+ * NaN, all -inf gives -inf: the row's loss is then NaN, as torch's. */
 FO_INLINE float row_lse(float *x, int64_t n) {
   /* the max and a NaN test FO_VL lanes at a time (a scalar x > m ? x : m
    * loop does not vectorise: it is not a max for NaN) */
@@ -41,8 +41,8 @@ FO_INLINE float row_lse(float *x, int64_t n) {
     m = x[j] > m ? x[j] : m;
     any_nan |= x[j] != x[j];
   }
-  if (any_nan) return NAN;
-  if (m == -INFINITY || m == INFINITY) return m;
+  if (any_nan || m == INFINITY) return NAN; /* torch: x - max is NaN at an inf */
+  if (m == -INFINITY) return m;
   for (int64_t j = 0; j < n; ++j) x[j] = fo_expf(x[j] - m);
   return m + logf(fo_sum(x, n));
 }

@@ -56,22 +56,29 @@ __global__ void __launch_bounds__(kThreads) xent_fwd_kernel(const fo_xent_params
   const int64_t r = blockIdx.x;
   const T *x = static_cast<const T *>(p.logits) + r * p.x_stride;
   float m = -INFINITY, s = 0.f;
+  int nan = 0;
   for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) {
     float v[VEC];
     load_f<VEC>(x + j, v);
     float mv = v[0];
 #pragma unroll
-    for (int e = 1; e < VEC; ++e) mv = fmaxf(mv, v[e]);
+    for (int e = 1; e < VEC; ++e) mv = fmaxf(mv, v[e]);  // NaNs skipped: counted in `nan`
     if (mv > m) {
       s = rescale(m, s, mv);
       m = mv;
     }
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) s += v[e] == -INFINITY ? 0.f : exp2f((v[e] - m) * kLog2e);  // NaN stays
+    for (int e = 0; e < VEC; ++e) {
+      nan |= v[e] != v[e];
+      s += v[e] == -INFINITY ? 0.f : exp2f((v[e] - m) * kLog2e);
+    }
   }
+  nan = __syncthreads_or(nan);
   block_lse(m, s);
   if (threadIdx.x == 0) {
-    const float lse = m == -INFINITY || m == INFINITY ? (s != s ? s : m) : m + logf(s);
+    // As the CPU kernel, so that the loss is torch's: NaN if any logit is NaN
+    // or +inf; -inf if all are -inf.
+    const float lse = nan || m == INFINITY ? NAN : m == -INFINITY ? m : m + logf(s);
     const int64_t t = fo_xent_class(&p, r);
     p.lse[r] = lse;
     p.loss[r] = t < 0 ? 0.f : t < p.vocab ? lse - to_f(x[t]) : NAN;
