@@ -24,7 +24,7 @@ KINDS = (  # first match wins
     ("attention", r"attn|flash|fmha|attention"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_"),
     ("optimizer", r"adam|multi_tensor|foreach"),
-    ("fusedops", r"^fo_|fusedops"),
+    ("fusedops", r"^fo_|fusedops|rope_kernel|xent_(fwd|bwd)_kernel"),
     ("triton", r"^triton"),
     ("copy", r"copy|Memcpy|Memset|cat|fill"),
     ("reduce", r"reduce|softmax|nll|log_softmax|cross"),
