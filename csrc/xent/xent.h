@@ -42,7 +42,7 @@ FO_HD int64_t fo_xent_class(const fo_xent_params *p, int64_t r) {
   return t >= 0 && t < p->vocab ? t : p->vocab;
 }
 
-/* CPU (xent_cpu.c, OpenMP over rows): NULL, or FO_CPU_OOM. */
+/* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always. */
 const char *fo_xent_fwd_cpu(const fo_xent_params *p);
 const char *fo_xent_bwd_cpu(const fo_xent_params *p);
 

@@ -1,31 +1,50 @@
-/* Cross-entropy on the CPU: OpenMP over rows; each row widened to fp32 in a
- * per-thread buffer, then its max, its sum of exponentials and (backward) its
- * gradient in fp32. Deterministic: a row's sums have one order whatever the
- * thread count. */
-#include <stdlib.h>
+/* Cross-entropy on the CPU: OpenMP over rows, each row read in blocks of
+ * FO_VL values straight from the logits (widened in registers, never copied):
+ * the forward in two passes (the max and a NaN test, then the sum of
+ * exponentials in FO_VL partial sums), the backward in one. Deterministic:
+ * a row's sums have one order whatever the thread count. */
 #include <math.h>
 
 #include "xent.h"
 #include "../common/cpu_dtype.h"
 #include "../common/cpu_math.h"
-#include "../common/cpu_scratch.h"
 
-static const void *row_at(const fo_xent_params *p, int64_t r) {
+static const char *row_at(const fo_xent_params *p, int64_t r) {
   return (const char *)p->logits + (size_t)(r * p->x_stride) * (size_t)fo_dtype_size(p->dtype);
 }
 
-/* log sum exp of x[0..n), overwriting x with exp(x - max): max first, then
- * the exponentials summed by fo_sum (16 partial sums: at 32000 classes a
- * running sum loses ~10x torch's accuracy). A NaN or a +inf anywhere gives
- * NaN, all -inf gives -inf: the row's loss is then NaN, as torch's. */
-FO_INLINE float row_lse(float *x, int64_t n) {
-  /* the max and a NaN test FO_VL lanes at a time (a scalar x > m ? x : m
-   * loop does not vectorise: it is not a max for NaN) */
-  fo_vi mv = (fo_vi){0} + (int32_t)0xFF800000, nan = {0}; /* lanes of -inf's bits; no NaN */
-  int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) {
-    fo_vf v;
-    memcpy(&v, x + j, sizeof v);
+/* Lane k of a block starting at column j is a column of the row: j + k < n. */
+FO_INLINE fo_vi lanes_in(int64_t j, int64_t n) {
+  fo_vi k;
+  for (int i = 0; i < FO_VL; ++i) k[i] = i;
+  return k < (fo_vi){0} + (int32_t)(n - j < FO_VL ? n - j : FO_VL);
+}
+
+/* The row's block at column j (lanes past the row: `pad`). */
+FO_INLINE fo_vf block_at(int isa, fo_dtype t, const char *row, int64_t j, int64_t n, float pad) {
+  const int es = fo_dtype_size(t);
+  if (j + FO_VL <= n) return fo_vload(isa, t, row + j * es);
+  const fo_vf v = fo_vload_n(isa, t, row + j * es, (int)(n - j));
+  const fo_vi in = lanes_in(j, n);
+  return (fo_vf)(((fo_vi)v & in) | ((fo_vi)((fo_vf){0} + pad) & ~in));
+}
+
+FO_INLINE fo_vf vexp(fo_vf x) {
+  fo_vf e;
+  for (int k = 0; k < FO_VL; ++k) e[k] = fo_expf(x[k]);
+  return e;
+}
+
+/* log sum exp of row r: the max first (a vector select: a scalar
+ * x > m ? x : m loop does not vectorise, it is not a max for NaN), then the
+ * exponentials summed in FO_VL partial sums (a running sum over 32000
+ * classes loses ~10x torch's accuracy). A NaN or a +inf anywhere gives NaN,
+ * all -inf gives -inf: the row's loss is then NaN, as torch's (its
+ * log_softmax subtracts an infinite max). */
+FO_INLINE float row_lse(int isa, fo_dtype t, const char *row, int64_t n) {
+  fo_vi mv = (fo_vi)((fo_vf){0} - INFINITY), nan = {0};
+  for (int64_t j = 0; j < n; j += FO_VL) {
+    const fo_vf v = block_at(isa, t, row, j, n, -INFINITY);
     const fo_vi gt = v > (fo_vf)mv;
     mv = ((fo_vi)v & gt) | (mv & ~gt);
     nan |= v != v;
@@ -37,62 +56,56 @@ FO_INLINE float row_lse(float *x, int64_t n) {
     m = c > m ? c : m;
     any_nan |= nan[k];
   }
-  for (; j < n; ++j) {
-    m = x[j] > m ? x[j] : m;
-    any_nan |= x[j] != x[j];
-  }
-  if (any_nan || m == INFINITY) return NAN; /* torch: x - max is NaN at an inf */
+  if (any_nan || m == INFINITY) return NAN;
   if (m == -INFINITY) return m;
-  for (int64_t j = 0; j < n; ++j) x[j] = fo_expf(x[j] - m);
-  return m + logf(fo_sum(x, n));
+  fo_vf s = {0};
+  for (int64_t j = 0; j < n; j += FO_VL) s += vexp(block_at(isa, t, row, j, n, -INFINITY) - m);
+  float sum = 0.0f;
+  for (int k = 0; k < FO_VL; ++k) sum += s[k];
+  return m + logf(sum);
 }
 
-/* Row r: loss and lse (x: the thread's buffer of vocab floats). */
-FO_INLINE void fwd_row_at(const fo_xent_params *p, int64_t r, float *x, const int isa) {
-  fo_load_row_at(isa, p->dtype, row_at(p, r), x, p->vocab);
+/* Row r: loss and lse. */
+FO_INLINE void fwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
+  const char *row = row_at(p, r);
   const int64_t t = fo_xent_class(p, r);
-  const float xt = t >= 0 && t < p->vocab ? x[t] : NAN;
-  const float lse = row_lse(x, p->vocab);
+  const float lse = row_lse(isa, p->dtype, row, p->vocab);
   p->lse[r] = lse;
-  p->loss[r] = t < 0 ? 0.0f : lse - xt;
-}
-FO_ISA_DISPATCH(fwd_row, (const fo_xent_params *p, int64_t r, float *x), (p, r, x))
-
-const char *fo_xent_fwd_cpu(const fo_xent_params *p) {
-  int missing = 0;
-#pragma omp parallel if (p->rows > 1)
-  {
-    float *x = malloc(sizeof(float) * (size_t)(p->vocab > 0 ? p->vocab : 1));
-    if (fo_every_thread_has(x, &missing)) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, x);
-    }
-    free(x);
+  if (t < 0) {
+    p->loss[r] = 0.0f;
+  } else {
+    float xt = NAN;
+    if (t < p->vocab) fo_load_row_at(isa, p->dtype, row + t * fo_dtype_size(p->dtype), &xt, 1);
+    p->loss[r] = lse - xt;
   }
-  return missing ? FO_CPU_OOM : NULL;
 }
+FO_ISA_DISPATCH(fwd_row, (const fo_xent_params *p, int64_t r), (p, r))
 
-/* Row r of dlogits (x: the thread's buffer of vocab floats). */
-FO_INLINE void bwd_row_at(const fo_xent_params *p, int64_t r, float *x, const int isa) {
+/* Row r of dlogits: g (exp(x - lse) - [j = t]). */
+FO_INLINE void bwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
+  const fo_dtype dt = p->dtype;
+  const int es = fo_dtype_size(dt);
   const int64_t n = p->vocab, t = fo_xent_class(p, r);
   const float g = t < 0 ? 0.0f : p->dloss[r * p->g_stride], lse = p->lse_in[r];
-  fo_load_row_at(isa, p->dtype, row_at(p, r), x, n);
-  for (int64_t j = 0; j < n; ++j) x[j] = g * fo_expf(x[j] - lse);
-  if (t >= 0 && t < n) x[t] -= g;
-  fo_store_row_at(isa, p->dtype, (char *)p->dlogits + (size_t)(r * n) * (size_t)fo_dtype_size(p->dtype), x, n);
+  const char *row = row_at(p, r);
+  char *out = (char *)p->dlogits + (size_t)(r * n) * (size_t)es;
+  for (int64_t j = 0; j < n; j += FO_VL) {
+    fo_vf d = g * vexp(block_at(isa, dt, row, j, n, 0.0f) - lse);
+    if (t >= j && t < j + FO_VL) d[t - j] -= g;
+    if (j + FO_VL <= n) fo_vstore(isa, dt, out + j * es, d);
+    else fo_vstore_n(isa, dt, out + j * es, d, (int)(n - j));
+  }
 }
-FO_ISA_DISPATCH(bwd_row, (const fo_xent_params *p, int64_t r, float *x), (p, r, x))
+FO_ISA_DISPATCH(bwd_row, (const fo_xent_params *p, int64_t r), (p, r))
+
+const char *fo_xent_fwd_cpu(const fo_xent_params *p) {
+#pragma omp parallel for schedule(static) if (p->rows > 1)
+  for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r);
+  return NULL;
+}
 
 const char *fo_xent_bwd_cpu(const fo_xent_params *p) {
-  int missing = 0;
-#pragma omp parallel if (p->rows > 1)
-  {
-    float *x = malloc(sizeof(float) * (size_t)(p->vocab > 0 ? p->vocab : 1));
-    if (fo_every_thread_has(x, &missing)) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, x);
-    }
-    free(x);
-  }
-  return missing ? FO_CPU_OOM : NULL;
+#pragma omp parallel for schedule(static) if (p->rows > 1)
+  for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r);
+  return NULL;
 }
