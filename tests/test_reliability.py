@@ -32,7 +32,9 @@ from tolerances import assert_close_2x
 import test_adam
 import test_attention
 import test_norm
+import test_rope
 import test_swiglu
+import test_xent
 from test_adam import PARITY_ULPS, ulps_apart
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
@@ -513,12 +515,43 @@ def _adam_case(device, dtype):
     return flat(got), eager, flat(ref)
 
 
+def _xent_case(device, dtype):
+    """Logits with a NaN (row 0), a +inf (row 1), -inf classes (row 2, finite
+    loss); an inf upstream gradient (row 3); per-row losses."""
+    x, t = test_xent.make(6, 40, dtype, device, ignored=0.0)
+    x[0, 3], x[1, 7] = NAN, INF
+    x[2, :5] = -INF
+    t[2] = 30
+    g = torch.randn(6, device=device)
+    g[3] = INF
+    names = ["loss", "dlogits"]
+    return [dict(zip(names, test_xent.run(fn, x, t, "none", g, to))) for fn, to in
+            ((FF.cross_entropy, None), (torch.nn.functional.cross_entropy, None),
+             (torch.nn.functional.cross_entropy, torch.float64))]
+
+
+def _rope_case(device, dtype):
+    """q with a NaN and an inf, k with -inf, cos with an inf; an inf upstream
+    gradient of q."""
+    q, k = test_rope.qk(1, 2, 1, 5, 8, dtype, device, "bshd")
+    cos, sin = test_rope.tables(1, 5, 8, dtype, device, "rope")
+    q[0, 0, 1, 2], q[0, 1, 3, 6], k[0, 0, 2, 1] = NAN, INF, -INF
+    cos[0, 4, 3] = INF
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    dq[0, 1, 0, 5] = INF
+    names = ["q_out", "k_out", "dq", "dk"]
+    return [dict(zip(names, test_rope.run(fn, q, k, cos, sin, dq, dk, to))) for fn, to in
+            ((FF.apply_rotary_pos_emb, None), (reference.rope, None), (reference.rope, torch.float64))]
+
+
 NONFINITE_CASES = {
     "layer_norm": lambda d, dt: _norm_case(d, dt, False), "rms_norm": lambda d, dt: _norm_case(d, dt, True),
     "swiglu": lambda d, dt: _glu_case(d, dt, "silu", False), "geglu": lambda d, dt: _glu_case(d, dt, "gelu_tanh", False),
     "swiglu_packed": lambda d, dt: _glu_case(d, dt, "silu", True),
     "attention": lambda d, dt: _attention_case(d, dt, False),
     "attention_causal": lambda d, dt: _attention_case(d, dt, True),
+    "rope": _rope_case,
+    "cross_entropy": _xent_case,
     "adam": _adam_case,
 }
 
@@ -593,7 +626,9 @@ def _det_inputs(d):
                 dy=t((300, 1000)), g=t((257, 4097)), u=t((257, 4097)), dh=t((257, 4097)),
                 gu=t((33, 2 * 1000)), dhp=t((33, 1000)), q=t((2, 300, 4, 64)), k=t((2, 300, 2, 64)),
                 v=t((2, 300, 2, 64)), do=t((2, 300, 4, 64)), mx=t((2, 50, 64)), wg=t((96, 64)),
-                wu=t((96, 64)), wd=t((64, 96)))
+                wu=t((96, 64)), wd=t((64, 96)), xl=t((65, 32003)),
+                xt=torch.randint(0, 32003, (65,), device=d), xg=t(65, torch.float32),
+                rq=t((2, 4, 37, 64)), rk=t((2, 2, 37, 64)), rc=t((1, 37, 64)), rs=t((1, 37, 64)))
 
 
 def _norm_bwd(a, out):
@@ -639,6 +674,11 @@ DETERMINISTIC = [
                                                       *ops.attn_fwd(a["q"], a["k"], a["v"], 0.125, True),
                                                       0.125, True, True), True),
     ("flash_attention_deterministic_mode", _attention_in_deterministic_mode, True),
+    ("rope", lambda a: ops.rope(a["rq"], a["rk"], a["rc"], a["rs"]), True),
+    ("rope_inverse", lambda a: ops.rope(a["rq"], a["rk"], a["rc"], a["rs"], True), True),
+    ("xent_fwd", lambda a: ops.xent_fwd(a["xl"], a["xt"], -100), True),
+    ("xent_bwd", lambda a: [ops.xent_bwd(a["xg"], a["xl"], a["xt"], ops.xent_fwd(a["xl"], a["xt"], -100)[1], -100)],
+     True),
     ("adam_step", _adam_once, True),
 ]
 
