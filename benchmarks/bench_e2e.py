@@ -64,6 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--without", default="", help="ablation: parts the fusedops modes leave out, of "
                    f"{', '.join(WITHOUT)} (adamw: torch's fused AdamW instead of FusedAdamW)")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="use_cache=False (the default keeps transformers' True, which fills a KV "
+                   "cache every step: a copy of each layer's K and V). Without a cache, "
+                   "transformers 5.x looks for packed sequences in position_ids every forward: a "
+                   "host sync in eager, and under torch.compile a materialized causal mask, which "
+                   "takes the attention to torch's SDPA in every mode")
     p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -77,13 +83,14 @@ def parse_args(argv=None):
     return args
 
 
-def build(cfg, mode, dtype, device, without=(), seed=0):
-    """The model and optimizer of one mode, from the same initial weights."""
+def build(cfg, mode, dtype, device, without=(), seed=0, use_cache=True):
+    """The model and optimizer of one mode, from the same initial weights
+    (use_cache: see --no-cache)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     fused = mode.startswith("fusedops")
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "seq")},
                          max_position_embeddings=cfg["seq"], tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa", use_cache=use_cache)
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
@@ -105,10 +112,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg, mode, dtype, device, warmup, steps, without=()):
+def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True):
     """Train warmup + steps steps; returns the result row."""
     torch._dynamo.reset()
-    model, run, opt = build(cfg, mode, dtype, device, without)
+    model, run, opt = build(cfg, mode, dtype, device, without, use_cache=use_cache)
     if device.type == "cuda":  # after the build, which holds an fp32 copy for a moment
         torch.cuda.reset_peak_memory_stats(device)
     params = sum(p.numel() for p in model.parameters())
@@ -163,7 +170,8 @@ def table(meta, rows):
     lines = [f"# End to end: {meta['model']} on {meta['device']}", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, commit "
              f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}"
-             + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "") + ".", "",
+             + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "")
+             + ("; use_cache=False" if meta.get("use_cache") is False else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
@@ -198,7 +206,7 @@ def main(argv=None):
     meta = common.metadata(device, None)
     meta.update(transformers=transformers.__version__, model="LlamaForCausalLM " + ("quick" if quick else "ANCHORS"),
                 config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup,
-                without=args.without)
+                without=args.without, use_cache=args.use_cache)
     print(f"{meta['device']}: {meta['model']} {cfg}, {meta['dtype']}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,7 +217,8 @@ def main(argv=None):
         warnings.simplefilter("once")
         for mode in args.modes:
             try:
-                rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without))
+                rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without,
+                                     args.use_cache))
             except Exception as e:  # noqa: BLE001  (an n/a row; the other modes still run)
                 print(f"\n  {mode}: failed: {common._short_error(e)}", file=sys.stderr)
                 rows.append({"mode": mode, "error": common._short_error(e)})
