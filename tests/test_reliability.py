@@ -19,6 +19,7 @@
   dynamic: one graph, no graph break, no recompile."""
 import copy
 import os
+import re
 import sys
 
 import pytest
@@ -432,6 +433,21 @@ def test_fuzz(device, op):
     res = fuzz.fuzz([op], FUZZ_CASES[device], device, seed=0, log=lambda line: None)
     passed, failures = res[op]
     assert not failures, f"{len(failures)} of {passed + len(failures)} cases failed:\n" + "\n".join(failures[:10])
+
+
+def test_sanitize_driver_dry_run():
+    """tools/sanitize_kernels.py (what tools/sanitize.sh runs under
+    compute-sanitizer) on the CPU: it drives every op and reaches its last
+    line, so that a GPU run's verdict is about the kernels, not the driver."""
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "sanitize_kernels.py")
+    proc = subprocess.run([sys.executable, script], env=dict(os.environ, SANITIZE_DEVICE="cpu"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    done = [line for line in proc.stdout.splitlines() if line.startswith("sanitize_kernels: done")]
+    assert done, proc.stdout[-2000:]
+    for op in ("norm", "glu", "attention", "rope", "xent", "adam"):
+        assert re.search(rf"\b{op} [1-9]", done[0]), done[0]
 
 
 # --------------------------------------------------------------------------- NaN and inf

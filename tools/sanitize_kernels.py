@@ -104,6 +104,9 @@ def run_rope():
             test_rope.run(fusedops.functional.apply_rotary_pos_emb, q, k, cos, sin, torch.randn_like(q),
                           torch.randn_like(k))
             n += 1
+    return n
+
+
 def run_xent():
     """Each vector width (16 bytes: vocab a multiple of 8 at 16 bits, 4 at
     fp32; 2 elements; 1), column-sliced rows, ignored targets; forward and
@@ -146,6 +149,7 @@ def main():
     for name, fn in (("norm", run_norm), ("glu", run_glu), ("attention", run_attention), ("rope", run_rope),
                      ("xent", run_xent), ("adam", run_adam)):
         counts[name] = fn()
+        assert isinstance(counts[name], int) and counts[name] > 0, f"sanitize_kernels: {name} drove no calls"
         if DEV == "cuda":
             torch.cuda.synchronize()
         print(f"sanitize_kernels: {name}: {counts[name]} calls, forward and backward", flush=True)
