@@ -12,7 +12,7 @@ reads their gradients and cos, sin and writes dq, dk. cos and sin are
 """
 import torch
 
-from benchmarks.common import Case, Inputs
+from benchmarks.common import Case, Inputs, shape_grid
 from fusedops import functional, reference
 
 # B x Hq x Hk x S x D: the ANCHORS.md end-to-end model's attention (4 x 2048
@@ -41,9 +41,4 @@ def _case(shape, dtype, device):
 
 
 def cases(device, quick, sweep):
-    gpu = device.type == "cuda"
-    out = []
-    for dtype in [torch.bfloat16] if gpu or quick else [torch.float32, torch.bfloat16]:
-        for shape in (GPU_SHAPES if gpu else CPU_SHAPES)[:1 if quick else None]:
-            out += _case(shape, dtype, device)
-    return out
+    return shape_grid(device, quick, GPU_SHAPES, CPU_SHAPES, _case)

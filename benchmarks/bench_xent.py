@@ -12,7 +12,7 @@ writes and rereads an N V tensor each way besides.
 import torch
 import torch.nn.functional as TF
 
-from benchmarks.common import Case, Inputs
+from benchmarks.common import Case, Inputs, shape_grid
 from fusedops import functional
 
 ELEMENTS_MOVED = {"fwd": 1, "fwd+bwd": 3}  # per logit
@@ -47,11 +47,4 @@ def _case(shape, dtype, device):
 
 
 def cases(device, quick, sweep):
-    gpu = device.type == "cuda"
-    dtypes = [torch.bfloat16] if gpu else [torch.float32, torch.bfloat16]
-    shapes = GPU_SHAPES if gpu else CPU_SHAPES
-    out = []
-    for dtype in dtypes[:1] if quick else dtypes:
-        for shape in shapes[:1] if quick else shapes:
-            out += _case(shape, dtype, device)
-    return out
+    return shape_grid(device, quick, GPU_SHAPES, CPU_SHAPES, _case)

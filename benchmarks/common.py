@@ -92,6 +92,16 @@ class Case:
         return f"{self.op} {_shape(self)} {_dtype(self)} {self.direction}"
 
 
+def shape_grid(device, quick, gpu_shapes, cpu_shapes, case):
+    """The cases of an op benchmarked over shapes x dtypes: bf16 on a GPU,
+    fp32 and bf16 on a CPU; --quick keeps the first shape and dtype.
+    case(shape, dtype, device) -> a list of Case."""
+    gpu = device.type == "cuda"
+    dtypes = [torch.bfloat16] if gpu or quick else [torch.float32, torch.bfloat16]
+    return [c for dtype in dtypes for shape in (gpu_shapes if gpu else cpu_shapes)[:1 if quick else None]
+            for c in case(shape, dtype, device)]
+
+
 def _shape(case):
     return "x".join(map(str, case.shape))
 
