@@ -92,6 +92,10 @@ def parse_args(argv=None):
                    help="fp32, amp-bf16 (fp32 parameters, bf16 autocast) or bf16 parameters "
                         "(default: fp32 on CPU, amp-bf16 on GPU)")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="clip the gradients' global norm to this, 0 for off (default %(default)s, the "
+                        "usual recipe: without it the bf16 runs on an H100 spiked after the warm-up, "
+                        "each at other steps, so that their curves parted by up to 1.9)")
     p.add_argument("--runs", default="pytorch,fusedops", help="which runs, of %(default)s")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
@@ -199,6 +203,8 @@ def train(run, args, data):
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             loss = step_fn(input_ids=x, labels=x).loss
         loss.backward()
+        if args.clip > 0:  # over every process's gradients (DTensor shards under FSDP2)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean_over_processes(loss.detach(), args))  # (syncs: the step time is the whole step's)
@@ -388,7 +394,7 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fusedops": fusedops.__version__, "config": args.cfg, "compile": args.compile,
                "dist": args.dist, "processes": args.world, "resume": args.resume,
-               "entropy_floor": floor, "runs": results}
+               "lr": args.lr, "clip": args.clip, "entropy_floor": floor, "runs": results}
     if len(results) == 2:
         d = [abs(a - b) for a, b in zip(results[0]["losses"], results[1]["losses"])]
         summary["max_abs_loss_difference"] = max(d)
