@@ -552,3 +552,34 @@ def test_example_and_e2e_benchmark_run(tmp_path):
     assert [r["mode"] for r in rows] == ["eager", "fusedops"] and all("error" not in r for r in rows)
     assert abs(rows[0]["last_loss"] - rows[1]["last_loss"]) < 1e-3
     assert (tmp_path / "b" / "e2e.md").read_text().count("| eager |") == 1
+
+
+def test_e2e_profile_kernel_kinds():
+    """tools/e2e_profile.py sorts GPU kernels into kinds by name; fusedops'
+    own (the top-level anonymous namespace of csrc/*/*_cuda.cu) must not be
+    counted as torch's, nor torch's (in at::native::(anonymous namespace))
+    as ours. Names as torch.profiler reported them on the H100."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    try:
+        import e2e_profile
+    finally:
+        sys.path.pop(0)
+    cases = {
+        "void (anonymous namespace)::glu_kernel<true, __nv_bfloat16, 8, 2, unsigned int, 0>(fo_glu_params": "fusedops",
+        "void (anonymous namespace)::bwd_regs<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 8, 1>(fo_norm_bwd_params)": "fusedops",
+        "void (anonymous namespace)::rope_kernel<__nv_bfloat16, 8>(fo_rope_params, int, int)": "fusedops",
+        "void (anonymous namespace)::xent_fwd_kernel<__nv_bfloat16, 8>(fo_xent_params)": "fusedops",
+        "void (anonymous namespace)::colsum<__nv_bfloat16>(float const*, long, long": "fusedops",
+        "void (anonymous namespace)::attn_bwd_wgmma_kernel<128, true, true, __nv_bfloat16>(fo_attn_params": "attention",
+        "void (anonymous namespace)::adam_tiles<__nv_bfloat16, __nv_bfloat16, false, 16>(": "optimizer",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>": "copy",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>": "elementwise",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "triton_poi_fused_as_strided_clone_2": "triton",
+        "void at::native::(anonymous namespace)::compute_grad_weight<c10::BFloat16, long>(": "other",
+    }
+    got = {name: e2e_profile.kind(name) for name in cases}
+    assert got == cases
