@@ -9,12 +9,6 @@
 namespace fusedops {
 namespace {
 
-// A [B, S, H, D] operand read through its strides; copied only when its last
-// dimension is not unit-stride (never misread).
-Tensor unit_last(const Tensor &t) {
-  return (t.size(3) <= 1 || t.stride(3) == 1) ? t : torch::stable::contiguous(t);
-}
-
 fo_attn_strides bshd_strides(const Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 #ifdef FUSEDOPS_WITH_CUDA

@@ -307,6 +307,14 @@ FO_INLINE void fo_store_row_at(int isa, fo_dtype t, void *out, const float *in, 
   }
 }
 
+/* An fp32 view of n elements of dtype t: the data itself when it is fp32,
+ * else widened into `scratch`. */
+FO_INLINE const float *fo_as_f32_at(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
+  if (t == FO_F32) return (const float *)p;
+  fo_load_row_at(isa, t, p, scratch, n);
+  return scratch;
+}
+
 /* The same at the baseline level, for code outside a dispatched function. */
 FO_INLINE void fo_load_row(fo_dtype t, const void *in, float *out, int64_t n) {
   fo_load_row_at(FO_ISA_BASE, t, in, out, n);

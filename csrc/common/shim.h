@@ -75,6 +75,15 @@ inline void check_same_device(const char *op, const char *arg, const Tensor &t, 
                   device_name(ref), "; all tensors must be on one device");
 }
 
+// t on ref's device and of ref's dtype.
+inline void check_like(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
+                       const char *ref_arg) {
+  check_same_device(op, arg, t, ref, ref_arg);
+  STD_TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", arg, " has dtype ",
+                  dtype_name(t.scalar_type()), ", expected the dtype of ", ref_arg, " (",
+                  dtype_name(ref.scalar_type()), ")");
+}
+
 inline void check_same_shape(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
                              const char *ref_arg) {
   bool same = t.dim() == ref.dim();
@@ -83,11 +92,19 @@ inline void check_same_shape(const char *op, const char *arg, const Tensor &t, c
                   ref_arg, " ", shape_str(ref));
 }
 
+// t with a unit-stride last dimension, for kernels that read every other
+// dimension through its stride: t itself, or a contiguous copy when its last
+// dimension is strided (never misread).
+inline Tensor unit_last(const Tensor &t) {
+  const int64_t last = t.dim() - 1;
+  return t.size(last) <= 1 || t.stride(last) == 1 ? t : torch::stable::contiguous(t);
+}
+
 // A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
 inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {
   STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected [", n, "] (the size of the last dimension of the input)");
-  return (n <= 1 || t.stride(0) == 1) ? t : torch::stable::contiguous(t);
+  return unit_last(t);
 }
 
 inline int64_t numel_rows(const Tensor &t) {

@@ -14,14 +14,6 @@
 
 enum { kTile = 128 };
 
-/* An fp32 view of n elements: the data itself when it is fp32, else widened
- * into `scratch`. */
-FO_INLINE const float *as_f32(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
-  if (t == FO_F32) return (const float *)p;
-  fo_load_row_at(isa, t, p, scratch, n);
-  return scratch;
-}
-
 FO_INLINE void position_at(const fo_rope_params *p, int64_t b, int64_t s, const int isa) {
   const fo_dtype t = p->dtype;
   const int es = fo_dtype_size(t), inv = p->inverse;
@@ -31,16 +23,16 @@ FO_INLINE void position_at(const fo_rope_params *p, int64_t b, int64_t s, const 
   float cbuf[2][kTile], sbuf[2][kTile], xbuf[2][kTile], ybuf[2][kTile];
   for (int64_t j = 0; j < half; j += kTile) {
     const int64_t n = half - j < kTile ? half - j : kTile;
-    const float *c1 = as_f32(isa, t, cr + j * es, cbuf[0], n);
-    const float *c2 = as_f32(isa, t, cr + (j + half) * es, cbuf[1], n);
-    const float *s1 = as_f32(isa, t, sr + j * es, sbuf[0], n);
-    const float *s2 = as_f32(isa, t, sr + (j + half) * es, sbuf[1], n);
+    const float *c1 = fo_as_f32_at(isa, t, cr + j * es, cbuf[0], n);
+    const float *c2 = fo_as_f32_at(isa, t, cr + (j + half) * es, cbuf[1], n);
+    const float *s1 = fo_as_f32_at(isa, t, sr + j * es, sbuf[0], n);
+    const float *s2 = fo_as_f32_at(isa, t, sr + (j + half) * es, sbuf[1], n);
     for (int k = 0; k < p->n_tensors; ++k) {
       const fo_rope_tensor *q = &p->t[k];
       for (int64_t h = 0; h < q->heads; ++h) {
         const char *x = (const char *)q->x + (b * q->xb + h * q->xh + s * q->xs + j) * es;
         char *o = (char *)q->out + (b * q->ob + h * q->oh + s * q->os + j) * es;
-        const float *x1 = as_f32(isa, t, x, xbuf[0], n), *x2 = as_f32(isa, t, x + half * es, xbuf[1], n);
+        const float *x1 = fo_as_f32_at(isa, t, x, xbuf[0], n), *x2 = fo_as_f32_at(isa, t, x + half * es, xbuf[1], n);
         /* Results go through scratch in every dtype: out may be x itself. */
         for (int64_t i = 0; i < n; ++i)
           fo_rope_pair(x1[i], x2[i], c1[i], c2[i], s1[i], s2[i], inv, &ybuf[0][i], &ybuf[1][i]);

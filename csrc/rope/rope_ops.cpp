@@ -10,12 +10,6 @@
 namespace fusedops {
 namespace {
 
-// t with a unit-stride last dim (a copy when it has not).
-Tensor unit_last(const Tensor &t) {
-  const int64_t last = t.dim() - 1;
-  return t.size(last) <= 1 || t.stride(last) == 1 ? t : torch::stable::contiguous(t);
-}
-
 void check_qk(const char *op, const char *arg, const Tensor &t, const Tensor &q) {
   STD_TORCH_CHECK(t.dim() == 4, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected 4 dimensions [batch, heads, seq, head_dim]");
@@ -24,20 +18,14 @@ void check_qk(const char *op, const char *arg, const Tensor &t, const Tensor &q)
                     ", expected an even head_dim (its halves are rotated against each other)");
     return;
   }
-  check_same_device(op, arg, t, q, "q");
-  STD_TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", arg, " has dtype ",
-                  dtype_name(t.scalar_type()), ", expected the dtype of q (",
-                  dtype_name(q.scalar_type()), ")");
+  check_like(op, arg, t, q, "q");
   STD_TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && t.size(3) == q.size(3), op,
                   ": ", arg, " has shape ", shape_str(t), ", expected q's batch, seq and head_dim (q has shape ",
                   shape_str(q), ")");
 }
 
 void check_table(const char *op, const char *arg, const Tensor &t, const Tensor &q) {
-  check_same_device(op, arg, t, q, "q");
-  STD_TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", arg, " has dtype ",
-                  dtype_name(t.scalar_type()), ", expected the dtype of q (",
-                  dtype_name(q.scalar_type()), ")");
+  check_like(op, arg, t, q, "q");
   STD_TORCH_CHECK(t.dim() == 3 && (t.size(0) == 1 || t.size(0) == q.size(0)) && t.size(1) == q.size(2) &&
                       t.size(2) == q.size(3),
                   op, ": ", arg, " has shape ", shape_str(t), ", expected [", q.size(0), " or 1, ", q.size(2),

@@ -21,17 +21,9 @@ static const char *row_at(const void *base, const fo_glu_rows *m, int64_t r, int
   return (const char *)base + off * esize;
 }
 
-/* An fp32 view of n elements: the data itself when it is fp32, else widened
- * into `scratch`. */
-FO_INLINE const float *as_f32(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
-  if (t == FO_F32) return (const float *)p;
-  fo_load_row_at(isa, t, p, scratch, n);
-  return scratch;
-}
-
 FO_INLINE void fwd_tile_at(fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n, const int isa) {
   float gs[kTile], us[kTile], os[kTile];
-  const float *restrict gf = as_f32(isa, t, g, gs, n), *restrict uf = as_f32(isa, t, u, us, n);
+  const float *restrict gf = fo_as_f32_at(isa, t, g, gs, n), *restrict uf = fo_as_f32_at(isa, t, u, us, n);
   float *restrict of = t == FO_F32 ? (float *)out : os;
   if (gelu) /* one loop per activation: each vectorises with no branch inside */
     for (int64_t j = 0; j < n; ++j) of[j] = fo_glu_fwd(gf[j], uf[j], 1);
@@ -48,8 +40,8 @@ FO_ISA_DISPATCH(fwd_tile, (fo_dtype t, int gelu, const void *g, const void *u, v
 FO_INLINE void bwd_tile_at(fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
                            void *out, int64_t n, const int isa) {
   float ds[kTile], gs[kTile], us[kTile], dgf[kTile], duf[kTile], hf[kTile];
-  const float *restrict df = as_f32(isa, t, d, ds, n), *restrict gf = as_f32(isa, t, g, gs, n),
-                        *restrict uf = as_f32(isa, t, u, us, n);
+  const float *restrict df = fo_as_f32_at(isa, t, d, ds, n), *restrict gf = fo_as_f32_at(isa, t, g, gs, n),
+                        *restrict uf = fo_as_f32_at(isa, t, u, us, n);
   if (gelu)
     for (int64_t j = 0; j < n; ++j) fo_glu_bwd(df[j], gf[j], uf[j], 1, &dgf[j], &duf[j]);
   else

@@ -39,14 +39,6 @@ void check_input(const char *op, const char *arg, const Tensor &t) {
   kernel_dtype(op, arg, t);
 }
 
-void check_like(const char *op, const char *arg, const Tensor &t, const Tensor &ref,
-                const char *ref_arg) {
-  check_same_device(op, arg, t, ref, ref_arg);
-  STD_TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", arg, " has dtype ",
-                  dtype_name(t.scalar_type()), ", expected the dtype of ", ref_arg, " (",
-                  dtype_name(ref.scalar_type()), ")");
-}
-
 std::vector<int64_t> sizes_of(const Tensor &t) {
   std::vector<int64_t> s(t.dim());
   for (int64_t d = 0; d < t.dim(); ++d) s[d] = t.size(d);

@@ -22,7 +22,7 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
                   dtype_name(target.scalar_type()), ", expected int64 (class indices)");
   STD_TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target has shape ",
                   shape_str(target), ", expected [", logits.size(0), "] (a class index a row of logits)");
-  if (logits.size(1) > 1 && logits.stride(1) != 1) logits = torch::stable::contiguous(logits);
+  logits = unit_last(logits);
   p.rows = logits.size(0);
   p.vocab = logits.size(1);
   p.logits = logits.data_ptr();
@@ -63,7 +63,7 @@ Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t 
     STD_TORCH_CHECK(t->dim() == 1 && t->size(0) == p.rows, op, ": ", arg, " has shape ", shape_str(*t),
                     ", expected [", p.rows, "] (a value a row of logits)");
   }
-  if (lse.stride(0) != 1 && p.rows > 1) lse = torch::stable::contiguous(lse);
+  lse = unit_last(lse);
   Tensor dlogits = torch::stable::new_empty(logits, {p.rows, p.vocab}, logits.scalar_type());
   p.dloss = static_cast<const float *>(dloss.data_ptr());
   p.g_stride = dloss.stride(0);
