@@ -107,6 +107,15 @@ def build(cfg, mode, dtype, device, without=(), seed=0, use_cache=True):
     return model, run, opt
 
 
+def train_step(run, opt, ids):
+    """One training step of a language model on ids (its own labels); the loss."""
+    loss = run(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -123,11 +132,7 @@ def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True
     ids = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
 
     def step():
-        loss = run(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return train_step(run, opt, ids)
 
     losses, times, warm_s = [], [], 0.0
     t0 = time.perf_counter()

@@ -224,9 +224,6 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None
 # --------------------------------------------------------------------------- attention
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-
 # Head dims the CUDA kernels take (csrc/attention/attention_{fwd,bwd}_cuda.cu),
 # and below whether each direction is built; the CPU kernels take every head
 # dim and dtype above.
@@ -389,9 +386,9 @@ def _rope_shapes_fit(q, k, cos, sin):
     return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and d % 2 == 0 and cos.shape == sin.shape
             and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d))
 
+
 # --------------------------------------------------------------------------- cross-entropy
 _CUDA_XENT = _has_cuda_kernel("xent_fwd")
-_XENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _xent_gap(logits, target, weight, label_smoothing):
@@ -404,7 +401,7 @@ def _xent_gap(logits, target, weight, label_smoothing):
         return "class weights"
     if label_smoothing:
         return "label smoothing"
-    if logits.dtype not in _XENT_DTYPES:
+    if logits.dtype not in _KERNEL_DTYPES:
         return f"{logits.dtype} input"
     if logits.device.type == "cuda" and not _CUDA_XENT:
         return "no CUDA cross-entropy kernel in this build"

@@ -162,13 +162,21 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
                        num_items_in_batch)
 
 
+def _computes_loss(cls):
+    """Whether cls.forward calls self.loss_function: a head (LlamaForCausalLM)
+    does, the base model inside it (LlamaModel), whose loss_function property
+    also answers ForCausalLMLoss, does not."""
+    f = inspect.unwrap(cls.forward)
+    return "loss_function" in getattr(getattr(f, "__code__", None), "co_names", ())
+
+
 def set_loss(model, report):
-    """Every Hugging Face (sub)model in `model` whose loss function is
+    """Every Hugging Face (sub)model in `model` that computes its loss with
     ForCausalLMLoss to causal_lm_loss, remembering what it had for unpatch."""
     for path, m in model.named_modules():
         if not isinstance(m, PreTrainedModel) or "_fusedops_loss" in m.__dict__:
             continue
-        if m.loss_function is not ForCausalLMLoss:
+        if not _computes_loss(type(m)) or m.loss_function is not ForCausalLMLoss:
             continue
         m.__dict__["_fusedops_loss"] = m.__dict__.get("_loss_function")
         m.loss_function = causal_lm_loss
@@ -360,8 +368,9 @@ def replacements():
         norm, mlp, decoder, attn = (getattr(mod, prefix + s, None)
                                     for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention"))
         entries = [(norm, "norm", _make_rms_norm, _NORM), (mlp, "swiglu", _make_mlp, _MLP)]
-        if attn is not None and _rope_forward(attn) is not None:
-            entries.append((attn, "attention", _make_attention, {"forward": _rope_forward(attn)}))
+        rope_forward = None if attn is None else _rope_forward(attn)
+        if rope_forward is not None:
+            entries.append((attn, "attention", _make_attention, {"forward": rope_forward}))
         if decoder is not None:
             args = list(inspect.signature(inspect.unwrap(decoder.forward)).parameters)
             llama_decoder = llama_decoder or _decoder_source(decoder)

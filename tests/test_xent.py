@@ -232,6 +232,8 @@ def test_hf_patch_sets_and_unpatch_restores_the_loss():
     fusedops.patch(model, norm=False, swiglu=False, attention=False, fuse_residual=False)
     assert model.loss_function is causal_lm_loss
     assert "loss of the model: ForCausalLMLoss -> fusedops.hf.causal_lm_loss" in str(model.fusedops_report)
+    # the head alone: the base model inside it (model.model) computes no loss
+    assert model.fusedops_report.loss == [("", "ForCausalLMLoss", "fusedops.hf.causal_lm_loss")]
     got = model(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fusedops.unpatch(model)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.bench_e2e import ANCHOR, build  # noqa: E402
+from benchmarks.bench_e2e import ANCHOR, build, train_step  # noqa: E402
 
 KINDS = (  # first match wins
     ("attention", r"attn|flash|fmha|attention"),
@@ -56,9 +56,7 @@ def main():
         model, run, opt = build(cfg, mode, torch.bfloat16, dev, use_cache=a.use_cache)
 
         def step():
-            run(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(run, opt, ids)
 
         for _ in range(a.warmup):
             step()

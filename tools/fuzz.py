@@ -265,6 +265,8 @@ def fuzz_rope(rng, device, size):
     cos, sin = test_rope.tables(1 if shared else b, s, d, dtype, device, kind)
     desc = f"(b={b}, hq={hq}, hk={hk}, s={s}, d={d}) {dname(dtype)} {layout} {kind}{' shared' if shared else ''}"
     return desc, lambda: test_rope.check(q, k, cos, sin, desc)
+
+
 # --------------------------------------------------------------------------- cross-entropy
 
 def fuzz_xent(rng, device, size):
@@ -279,9 +281,9 @@ def fuzz_xent(rng, device, size):
     reduction = rng.choice(["mean", "sum", "none"])
     x, t = test_xent.make(rows, vocab, dtype, device, ignored=ignored, spread=rng.choice([0.5, 3.0, 10.0]),
                           layout=layout)
-    desc = f"{rows}x{vocab} {dname(dtype)} {layout} ignored={ignored} {reduction}"
     if ignored == 1.0 and reduction == "mean":  # 0 / 0: NaN, as torch's (test_all_ignored_is_nan_as_torch)
         reduction = "sum"
+    desc = f"{rows}x{vocab} {dname(dtype)} {layout} ignored={ignored} {reduction}"
     return desc, lambda: test_xent.check(x, t, reduction, desc)
 
 
