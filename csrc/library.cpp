@@ -53,8 +53,9 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // Rotary position embedding of q and k (csrc/rope), the rotate-half layout
   // (Hugging Face's apply_rotary_pos_emb): q [B, Hq, S, D] and k [B, Hk, S, D]
   // read through their strides, cos and sin [B or 1, S, D] in q's dtype.
-  // Outputs shaped as q and k, [B, S, H, D] in memory. inverse: the transposed
-  // rotation, which maps output gradients to input gradients.
+  // Outputs shaped as q and k: contiguous, or with inverse (the transposed
+  // rotation, which maps output gradients to input gradients) [B, S, H, D] in
+  // memory, the layout of the projections the gradients flow into.
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False) -> (Tensor q_out, Tensor k_out)");
   // Multi-tensor Adam / AdamW (csrc/adam): one step over lists of tensors of one
   // device, one param dtype (fp32, fp16, bf16) and one state dtype (the

@@ -129,13 +129,21 @@ def test_inverse_undoes_forward(device):
     torch.testing.assert_close(kb, k, rtol=0, atol=1e-5)
 
 
-def test_output_layout(device):
-    """Outputs are (B, H, S, D) views of (B, S, H, D) memory, the layout the
-    attention op reads without a copy."""
-    q, k = qk(2, 4, 2, 5, 8, torch.bfloat16, device, "bhsd")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_output_layout(device, layout):
+    """The forward's outputs are contiguous (B, H, S, D), whatever the inputs'
+    layout (a KV cache copies them fastest so); the inverse's, the backward's,
+    are (B, H, S, D) views of (B, S, H, D) memory, the projections' layout the
+    gradients flow into; the fake kernel says the same."""
+    q, k = qk(2, 4, 2, 5, 8, torch.bfloat16, device, layout)
     cos, sin = tables(1, 5, 8, torch.bfloat16, device, "rope")
-    qo, ko = ops.rope(q, k, cos, sin)
-    assert qo.transpose(1, 2).is_contiguous() and ko.transpose(1, 2).is_contiguous()
+    for inverse in (False, True):
+        outs = ops.rope(q, k, cos, sin, inverse)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fakes = ops.rope(*(mode.from_tensor(t) for t in (q, k, cos, sin)), inverse)
+        for o, f in zip(outs, fakes):
+            assert (o.transpose(1, 2) if inverse else o).is_contiguous()
+            assert o.stride() == f.stride()
 
 
 def test_falls_back_to_the_formula(device):

@@ -1,7 +1,5 @@
 // Registration shim for fusedops::rope: checks the arguments, allocates the
-// outputs ([B, S, H, D] in memory, returned as [B, H, S, D] views: the layout
-// of the projections q and k come from, which the attention reads in place),
-// fills the C params struct, calls the kernel.
+// outputs (the layout: out_like), fills the C params struct, calls the kernel.
 #include "../common/shim.h"
 #include "rope.h"
 
@@ -32,8 +30,14 @@ void check_table(const char *op, const char *arg, const Tensor &t, const Tensor 
                   ", ", q.size(3), "] ([batch, seq, head_dim] of q, shape ", shape_str(q), ")");
 }
 
-// [B, H, S, D] output: [B, S, H, D] in memory.
-Tensor out_like(const Tensor &x) {
+// A [B, H, S, D] output. The forward rotation's is contiguous: a model's KV
+// cache copies k (torch.cat) at full speed only from a contiguous tensor (from
+// the projections' layout its generic strided path ran at 0.6 TB/s on an
+// H100), and the attention reads either layout in place. The inverse's (the
+// backward's, on output gradients) is [B, S, H, D] in memory: the layout of
+// the projections the gradients flow back into, which then takes no copy.
+Tensor out_like(const Tensor &x, bool inverse) {
+  if (!inverse) return torch::stable::new_empty(x, {x.size(0), x.size(1), x.size(2), x.size(3)}, x.scalar_type());
   Tensor o = torch::stable::new_empty(x, {x.size(0), x.size(2), x.size(1), x.size(3)}, x.scalar_type());
   return torch::stable::transpose(o, 1, 2);
 }
@@ -51,7 +55,7 @@ std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool
   check_table(op, "cos", cos, q);
   check_table(op, "sin", sin, q);
   q = unit_last(q), k = unit_last(k), cos = unit_last(cos), sin = unit_last(sin);
-  Tensor qo = out_like(q), ko = out_like(k);
+  Tensor qo = out_like(q, inverse), ko = out_like(k, inverse);
   fo_rope_params p{};
   p.t[0] = rope_tensor(q, qo);
   p.t[1] = rope_tensor(k, ko);

@@ -15,14 +15,16 @@ from ._common import check_one_device
 _ops = torch.ops.fusedops
 
 
-def _out_like(x):  # [B, H, S, D] shaped, [B, S, H, D] in memory (rope_ops.cpp)
+def _out_like(x, inverse):  # [B, H, S, D]; with inverse [B, S, H, D] in memory (rope_ops.cpp)
+    if not inverse:
+        return x.new_empty(x.shape)
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
 @torch.library.register_fake("fusedops::rope")
 def _rope_fake(q, k, cos, sin, inverse=False):
     check_one_device("rope", q=q, k=k, cos=cos, sin=sin)
-    return _out_like(q), _out_like(k)
+    return _out_like(q, inverse), _out_like(k, inverse)
 
 
 def _setup(ctx, inputs, output):
