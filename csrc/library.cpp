@@ -50,6 +50,11 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // q, k, v. deterministic: bitwise-repeatable results.
   m.def("attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // attn_bwd for Sq = Sk, its three gradients side by side in one tensor
+  // [B, S, Hq + 2 Hkv, D] (dq's heads, then dk's, then dv's): the gradient of
+  // a joint q / k / v projection's output (fusedops.functional.qkv_attention).
+  m.def("attn_bwd_packed(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "float scale, bool causal, bool deterministic) -> Tensor dqkv");
   // Rotary position embedding of q and k (csrc/rope), the rotate-half layout
   // (Hugging Face's apply_rotary_pos_emb): q [B, Hq, S, D] and k [B, Hk, S, D]
   // read through their strides, cos and sin [B or 1, S, D] in q's dtype.
@@ -57,6 +62,9 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // rotation, which maps output gradients to input gradients) [B, S, H, D] in
   // memory, the layout of the projections the gradients flow into.
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False) -> (Tensor q_out, Tensor k_out)");
+  // rope in place: q and k overwritten by their rotation (unit stride along
+  // head_dim; no other layout requirement).
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool inverse=False) -> ()");
   // Multi-tensor Adam / AdamW (csrc/adam): one step over lists of tensors of one
   // device, one param dtype (fp32, fp16, bf16) and one state dtype (the
   // param's or fp32), updated in place. grads: the params' dtype, never

@@ -83,20 +83,25 @@ def geglu_packed(gate_up):
     return _ops.glu_packed_fwd(gate_up, "gelu_tanh")
 
 
-def _joint_weight(wg, wu):
-    """[Wg; Wu] as one [2F, H] tensor without a copy, when up's weight directly
-    follows gate's in one storage (as fusedops.nn.SwiGLU allocates them): the
-    two projections are then one matmul (8% faster than two at 16384 x 4096 x
-    11008 on an H100). Else None. Not under torch.compile, which sees two
-    parameters and plans its own matmuls."""
-    if (torch.compiler.is_compiling() or type(wg) is not type(wu)
-            or type(wg) not in (torch.Tensor, torch.nn.Parameter) or wg.shape != wu.shape
-            or wg.dtype != wu.dtype or wg.device != wu.device or wg.dim() != 2
-            or not (wg.is_contiguous() and wu.is_contiguous()) or wg.numel() == 0
-            or wg.untyped_storage().data_ptr() != wu.untyped_storage().data_ptr()
-            or wu.storage_offset() != wg.storage_offset() + wg.numel()):
+def _joint_weight(*ws):
+    """[W0; W1; ...] as one tensor without a copy, when each weight directly
+    follows the one before in one storage (as fusedops.nn.join_weights puts
+    them): the projections are then one matmul (gate and up: 8% faster than
+    two at 16384 x 4096 x 11008 on an H100). Else None. Not under
+    torch.compile, which sees separate parameters and plans its own matmuls."""
+    w0 = ws[0]
+    if (torch.compiler.is_compiling() or type(w0) not in (torch.Tensor, torch.nn.Parameter)
+            or w0.dim() != 2 or w0.numel() == 0):
         return None
-    return wg.detach().as_strided((2 * wg.shape[0], wg.shape[1]), wg.stride())
+    end = w0.storage_offset()
+    for w in ws:
+        if (type(w) is not type(w0) or w.dim() != 2 or w.shape[1] != w0.shape[1]
+                or w.dtype != w0.dtype or w.device != w0.device or not w.is_contiguous()
+                or w.numel() == 0 or w.storage_offset() != end
+                or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()):
+            return None
+        end += w.numel()
+    return w0.detach().as_strided((sum(w.shape[0] for w in ws), w0.shape[1]), w0.stride())
 
 
 class _GLUMLP(torch.autograd.Function):
@@ -385,6 +390,145 @@ def _rope_shapes_fit(q, k, cos, sin):
     b, _, s, d = q.shape
     return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and d % 2 == 0 and cos.shape == sin.shape
             and cos.shape[0] in (1, b) and cos.shape[1:] == (s, d))
+
+
+# --------------------------------------------------------------- q / k / v projection, RoPE, attention
+def _qkv_gap(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads):
+    """Why qkv_attention's fused path cannot take this call (None if it can)."""
+    dt = autocast_dtype(x.device.type) or x.dtype
+    if not all(isinstance(t, torch.Tensor) for t in (x, wq, wk, wv, cos, sin)):
+        return "arguments that are not tensors"
+    if x.dim() != 3:
+        return f"x of shape {tuple(x.shape)} (the fused path takes [batch, seq, hidden])"
+    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads over {num_kv_heads} key / value heads"
+    if any(w.dim() != 2 or w.shape[1] != x.shape[-1] for w in (wq, wk, wv)):
+        return "weights that are not [out, hidden]"
+    d = wq.shape[0] // num_heads
+    if (d == 0 or d % 2 or wq.shape[0] != num_heads * d or wk.shape[0] != num_kv_heads * d
+            or wv.shape[0] != num_kv_heads * d):
+        return "projections whose rows are not heads x an even head dim"
+    if any(b is not None and tuple(b.shape) != (w.shape[0],) for w, b in ((wq, bq), (wk, bk), (wv, bv))):
+        return "biases not of their projection's rows"
+    ts = [t for t in (x, wq, wk, wv, bq, bk, bv) if t is not None]
+    if dt not in _KERNEL_DTYPES:
+        return f"dtype {dt}"
+    if dt is x.dtype and any(t.dtype != dt for t in ts):  # (autocast casts them all to dt)
+        return "mixed dtypes"
+    if any(t.device != x.device for t in (*ts, cos, sin)) or x.device.type not in ("cpu", "cuda"):
+        return "tensors on different devices, or a device without kernels"
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[0] not in (1, x.shape[0]) or tuple(
+            cos.shape[1:]) != (x.shape[1], d):
+        return f"cos / sin of shape {tuple(cos.shape)} (expected [batch or 1, seq, head_dim])"
+    if _needs_grad(cos, sin):
+        return "cos or sin that require grad"
+    if x.device.type == "cuda":
+        if not _CUDA_ROPE:
+            return "no CUDA rope kernel in this build"
+        return _cuda_gap(dt, d, _needs_grad(*ts))
+    return None
+
+
+class _QKVAttention(torch.autograd.Function):
+    """attention(rope(x Wq^T + bq), rope(x Wk^T + bk), x Wv^T + bv) with the
+    three projections as one matmul into a packed [B, S, Hq + 2 Hkv, D]
+    tensor, RoPE applied to its q and k heads in place, and attention reading
+    q, k and v from it. The backward mirrors it: attn_bwd_packed writes dq,
+    dk and dv side by side into one tensor, RoPE's inverse turns dq and dk in
+    place, and one matmul gives dx (where three projections took three and two
+    adds), one more the three weight gradients.
+
+    With `cache`, K (rotated) and V are returned as well, contiguous
+    [B, Hkv, S, D] copies for a KV cache: outside autograd (no gradient flows
+    back through them), as the cache of a training step is filled but never
+    differentiated through, and torch.compile would otherwise add a zero
+    gradient for each of them in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, hq, hkv, scale, causal, cache):
+        orig = (x, wq, wk, wv, bq, bk, bv)
+        dev = x.device.type
+        w = _joint_weight(wq, wk, wv)
+        dt = autocast_dtype(dev)
+        if dt is not None:
+            x, wq, wk, wv, bq, bk, bv = (t if t is None else t.to(dt) for t in orig)
+            w = None if w is None else w.to(dt)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        with torch.autocast(dev, enabled=False) if dt is not None else contextlib.nullcontext():
+            if w is None:
+                w = torch.cat([wq, wk, wv])
+            b = None if bq is None and bk is None and bv is None else torch.cat(
+                [t if t is not None else wr.new_zeros(wr.shape[0]) for t, wr in ((bq, wq), (bk, wk), (bv, wv))])
+            bsz, seq = x.shape[:2]
+            qkv = torch.nn.functional.linear(x, w, b).view(bsz, seq, hq + 2 * hkv, -1)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+            _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
+            det = torch.are_deterministic_algorithms_enabled()
+            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det)
+        ctx.save_for_backward(x, qkv, w, out, lse, cos, sin)
+        ctx.heads, ctx.scale, ctx.causal, ctx.det = (hq, hkv), scale, causal, det
+        ctx.dtypes = [None if t is None else t.dtype for t in orig]
+        out = out.view(bsz, seq, -1)
+        if not cache:
+            return out
+        kc, vc = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        ctx.mark_non_differentiable(kc, vc)
+        return out, kc, vc
+
+    @staticmethod
+    @once_differentiable  # the in-place rope has no gradient
+    def backward(ctx, dout, *_):
+        x, qkv, w, out, lse, cos, sin = ctx.saved_tensors
+        hq, hkv = ctx.heads
+        need = ctx.needs_input_grad
+        q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+        dqkv = _ops.attn_bwd_packed(dout.to(out.dtype).reshape(out.shape), q, k, v, out, lse, ctx.scale,
+                                    ctx.causal, ctx.det)
+        dq, dk, _ = dqkv.split([hq, hkv, hkv], dim=2)
+        _ops.rope_(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
+        g = dqkv.view(-1, w.shape[0])
+        rows = [hq * q.shape[3], hkv * q.shape[3], hkv * q.shape[3]]
+        dx = (g @ w).view(x.shape) if need[0] else None
+        dws = (g.t() @ x.reshape(-1, x.shape[-1])).split(rows) if any(need[1:4]) else (None,) * 3
+        dbs = g.sum(0).split(rows) if any(need[4:7]) else (None,) * 3
+        grads = [dx, *(d if n else None for d, n in zip(dws, need[1:4])),
+                 *(d if n else None for d, n in zip(dbs, need[4:7]))]
+        return (*(gr if gr is None or gr.dtype == t else gr.to(t) for gr, t in zip(grads, ctx.dtypes)),
+                *(None,) * 7)
+
+
+def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_heads, q_bias=None,
+                  k_bias=None, v_bias=None, scale=None, causal=True, return_kv=False):
+    """The attention of a Llama-family layer up to its output projection: x
+    [B, S, hidden] projected to q, k, v (torch.nn.Linear's weights and
+    biases), q and k rotated by Hugging Face's rotate-half RoPE (cos, sin
+    [B or 1, S, head_dim]), then scaled_dot_product_attention with
+    num_heads / num_kv_heads (grouped-query). Returns [B, S, num_heads *
+    head_dim]; with return_kv also K (rotated) and V as [B, num_kv_heads, S,
+    head_dim] for a KV cache, which do not take gradients.
+
+    One matmul for the three projections (one storage for the three weights,
+    fusedops.nn.join_weights, saves a copy of them), RoPE in place, and a
+    backward that sums nothing (see _QKVAttention). Calls that the kernels do
+    not take run the same math in torch's ops."""
+    gap = _qkv_gap(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, num_heads,
+                   num_kv_heads)
+    d = q_weight.shape[0] // max(num_heads, 1)
+    scale = d ** -0.5 if scale is None else float(scale)
+    if gap is None:
+        return _QKVAttention.apply(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin,
+                                   num_heads, num_kv_heads, scale, bool(causal), bool(return_kv))
+    lin = torch.nn.functional.linear
+
+    def heads(t, n):
+        return t.view(*x.shape[:-1], n, -1).transpose(1, 2)
+    q, k = reference.rope(heads(lin(x, q_weight, q_bias), num_heads),
+                          heads(lin(x, k_weight, k_bias), num_kv_heads), cos, sin, 1)
+    v = heads(lin(x, v_weight, v_bias), num_kv_heads)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    return (out, k.detach(), v.detach()) if return_kv else out
 
 
 # --------------------------------------------------------------------------- cross-entropy

@@ -26,19 +26,22 @@ cross-entropy kernel, without the fp32 copy of the logits.
 
 fusedops.patch(model) uses them; nothing here needs calling by hand.
 """
+import hashlib
 import importlib
 import inspect
+import re
 import types
 import warnings
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import functional as F
-from .nn import _KERNEL_DTYPES, glu_mlp_of, join_gate_up, kernel_dtype
+from .nn import _KERNEL_DTYPES, glu_mlp_of, join_gate_up, join_weights, kernel_dtype
 from .patch import Replacement, add_norm, can_hand_on, fused_class, hand_on, take_prenormed
 
 NAME = "fusedops"  # the attn_implementation
@@ -47,6 +50,8 @@ FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
 
 # --------------------------------------------------------------- attention
 _warned = set()
+# transformers' attention arguments that fusedops' attention has no equivalent for.
+_UNSUPPORTED = ("softcap", "position_bias", "cache", "output_attentions")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -61,8 +66,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     first time, from fusedops.functional). Features of transformers' own
     function that this one has no equivalent for (softcap, position_bias, a
     paged cache, output_attentions) go to it whole."""
-    extra = [k for k in ("softcap", "position_bias", "cache", "output_attentions")
-             if kwargs.get(k) is not None and kwargs.get(k) is not False]
+    extra = [k for k in _UNSUPPORTED if kwargs.get(k) is not None and kwargs.get(k) is not False]
     if extra:
         if tuple(extra) not in _warned and not torch.compiler.is_compiling():
             _warned.add(tuple(extra))
@@ -341,11 +345,100 @@ def _rope_forward(cls):
     return fused
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _cache_empty(cache, layer_idx):
+    """Whether layer layer_idx of a transformers cache (None: no cache) holds no
+    token yet and takes K and V through update(): a DynamicCache (the default,
+    filled in training too) whose layer is empty."""
+    if cache is None:
+        return True
+    return isinstance(cache, DynamicCache) and cache.get_seq_length(layer_idx) == 0
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, **kwargs):
+    """The attention module's forward (transformers' own, RoPE fused: the
+    class's _fusedops_rope_forward) or, where it computes the same, one call to
+    fusedops.functional.qkv_attention: the q, k, v projections as one matmul,
+    RoPE in place, our attention kernels, a backward that sums nothing. That
+    is when attention is fusedops' and causal without a mask, no dropout, the
+    cache (if any) has no tokens of this layer yet (training, or a prompt's
+    first forward) and the projections are plain torch.nn.Linear. transformers'
+    cache then receives detached copies of K and V (see qkv_attention)."""
+    x = hidden_states
+    fast = (self.config._attn_implementation == NAME and attention_mask is None
+            and position_embeddings is not None and not (self.training and self.attention_dropout)
+            and getattr(self, "is_causal", True) and x.dim() == 3
+            and not any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in _UNSUPPORTED)
+            and all(_plain_linear(getattr(self, p)) for p in _QKV)
+            and _cache_empty(past_key_values, self.layer_idx))
+    if fast:
+        cos, sin = position_embeddings
+        q, k, v = (getattr(self, p) for p in _QKV)
+        hq, hkv = q.out_features // self.head_dim, k.out_features // self.head_dim
+        if F._qkv_gap(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias, cos, sin, hq, hkv) is None:
+            cache = past_key_values is not None
+            res = F.qkv_attention(x, q.weight, k.weight, v.weight, cos, sin, hq, hkv, q.bias, k.bias,
+                                  v.bias, scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache)
+            if cache:
+                res, kc, vc = res
+                past_key_values.update(kc, vc, self.layer_idx)
+            return self.o_proj(res), None
+    return self._fusedops_rope_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                       **kwargs)
+
+
+def _attention_apply(self, fn, *args, **kwargs):
+    """nn.Module._apply (.to() and the like), then q, k and v joined again."""
+    out = self._fusedops_base._apply(self, fn, *args, **kwargs)
+    join_weights(self, _QKV)
+    return out
+
+
+def _join_qkv(self):
+    join_weights(self, _QKV)
+
+
+def _attention_namespace(cls):
+    """The fused class's methods for attention class cls, or None when its
+    forward does not call apply_rotary_pos_emb. The joint q / k / v path only
+    for forwards whose source is Llama's (Mistral and Qwen2 pass a sliding
+    window, which takes effect only through the mask: our path requires none);
+    Qwen3 normalises q and k first and keeps transformers' forward, RoPE fused."""
+    rope = _rope_forward(cls)
+    if rope is None:
+        return None
+    if not _llama_like_attention(cls):
+        return {"forward": rope}
+    return {"forward": _attention_forward, "_fusedops_rope_forward": rope, "_apply": _attention_apply,
+            "_fusedops_patched": _join_qkv}
+
+
+# What the joint path reimplements: the body of LlamaAttention.forward in
+# transformers 5.17 to 5.23 (also Mistral's and Qwen2's, whose one difference,
+# a sliding_window argument, is left out), whitespace-normalised, as a sha256
+# prefix. Another body (a later transformers, Qwen3's q / k norms) keeps
+# transformers' forward, with RoPE fused.
+_LLAMA_ATTENTION_SHA = "af161e6671c2fb09"
+_ATTENTION_ARGS = ["self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs"]
+
+
+def _llama_like_attention(cls):
+    f = inspect.unwrap(cls.forward)
+    if list(inspect.signature(f).parameters) != _ATTENTION_ARGS:
+        return False
+    src = inspect.getsource(f)
+    src = re.sub(r"\n\s*sliding_window=[^\n]*", "", src[src.find("input_shape = hidden_states.shape[:-1]"):])
+    return hashlib.sha256(" ".join(src.split()).encode()).hexdigest()[:16] == _LLAMA_ATTENTION_SHA
+
+
 def _make_attention(module):
-    forward = _rope_forward(type(module))
-    if forward is None:
+    ns = _attention_namespace(type(module))
+    if ns is None:
         return "its forward does not call apply_rotary_pos_emb"
-    return fused_class(type(module), {"forward": forward})
+    return fused_class(type(module), ns)
 
 
 # --------------------------------------------------------------- the table
@@ -368,9 +461,9 @@ def replacements():
         norm, mlp, decoder, attn = (getattr(mod, prefix + s, None)
                                     for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention"))
         entries = [(norm, "norm", _make_rms_norm, _NORM), (mlp, "swiglu", _make_mlp, _MLP)]
-        rope_forward = None if attn is None else _rope_forward(attn)
-        if rope_forward is not None:
-            entries.append((attn, "attention", _make_attention, {"forward": rope_forward}))
+        attn_ns = None if attn is None else _attention_namespace(attn)
+        if attn_ns is not None:
+            entries.append((attn, "attention", _make_attention, attn_ns))
         if decoder is not None:
             args = list(inspect.signature(inspect.unwrap(decoder.forward)).parameters)
             llama_decoder = llama_decoder or _decoder_source(decoder)

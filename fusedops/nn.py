@@ -26,19 +26,29 @@ def glu_mlp_of(module, x, activation):
     return F.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, activation)
 
 
-def join_gate_up(module):
-    """Put module.up_proj's weight directly after module.gate_proj's in one
-    storage, so that glu_mlp runs both projections as one matmul (see
-    fusedops.functional._joint_weight). The parameters stay two, with their
+def join_weights(module, names):
+    """Put the weights of module's projections `names` (torch.nn.Linear of one
+    input size) one after another in one storage, so that they run as one
+    matmul (see fusedops.functional._joint_weight): gate and up of the MLPs,
+    q, k and v of the attention. The parameters stay separate, with their
     names, values and identities (optimizers holding them are unaffected);
     only where they live changes. To be done again after .to() and the like,
     which give each parameter storage of its own."""
-    wg, wu = module.gate_proj.weight, module.up_proj.weight
-    if (type(wg) is not torch.nn.Parameter or type(wu) is not torch.nn.Parameter
-            or wg.shape != wu.shape or wg.dtype != wu.dtype or wg.device != wu.device
-            or wg.device.type == "meta" or wg.numel() == 0 or F._joint_weight(wg, wu) is not None):
+    ws = [getattr(module, n).weight for n in names]
+    w0 = ws[0]
+    if (any(type(w) is not torch.nn.Parameter or w.dim() != 2 or w.shape[1] != w0.shape[1]
+            or w.dtype != w0.dtype or w.device != w0.device or w.numel() == 0 for w in ws)
+            or w0.device.type == "meta" or F._joint_weight(*ws) is not None):
         return
-    wg.data, wu.data = torch.cat([wg.detach(), wu.detach()]).chunk(2)
+    parts = torch.cat([w.detach() for w in ws]).split([w.shape[0] for w in ws])
+    for w, part in zip(ws, parts):
+        w.data = part
+
+
+def join_gate_up(module):
+    """join_weights of gate_proj and up_proj (fusedops.nn.SwiGLU, the patched MLPs)."""
+    if module.gate_proj.weight.shape == module.up_proj.weight.shape:
+        join_weights(module, ("gate_proj", "up_proj"))
 
 
 def _flatten(module, x):

@@ -274,6 +274,38 @@ def test_hf_mlp_gate_up_joined():
             assert fusedops.functional._joint_weight(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_joint_qkv_attention(family, monkeypatch):
+    """Llama, Mistral and Qwen2 attention take fusedops.functional.qkv_attention
+    (one projection, q / k / v joined in one storage, kept through .to()) for
+    a forward whose cache has no tokens yet; transformers' cache then holds
+    the same K and V as unpatched, detached. A forward over a filled cache
+    (decoding), and Qwen3 (q / k norms), keep transformers' forward."""
+    from fusedops import functional as F
+    calls = []
+    apply = F._QKVAttention.apply
+    monkeypatch.setattr(F._QKVAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    m = _hf_model(family, layers=2)
+    ref = copy.deepcopy(m)
+    fusedops.patch(m).to(torch.float32)
+    joint = family != "Qwen3"
+    for layer in m.model.layers:
+        a = layer.self_attn
+        assert (F._joint_weight(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is not None) == joint
+    ids = torch.randint(0, 96, (2, 11))
+    out, out_ref = m(ids, use_cache=True), ref(ids, use_cache=True)
+    assert len(calls) == (2 if joint else 0)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=0, atol=1e-5)
+    for lay, lay_ref in zip(out.past_key_values.layers, out_ref.past_key_values.layers):
+        torch.testing.assert_close(lay.keys, lay_ref.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(lay.values, lay_ref.values, rtol=0, atol=1e-5)
+        assert not lay.keys.requires_grad or not joint
+    step = m(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    step_ref = ref(ids[:, :1], past_key_values=out_ref.past_key_values, use_cache=True)
+    assert len(calls) == (2 if joint else 0)
+    torch.testing.assert_close(step.logits, step_ref.logits, rtol=0, atol=1e-5)
+
+
 def test_hf_state_dict_loads_both_ways():
     m = _hf_model("Qwen3")
     other = copy.deepcopy(m)

@@ -134,10 +134,10 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                                            Tensor lse, double scale, bool causal,
-                                            bool deterministic) {
-  const char *op = "fusedops.attn_bwd";
+// The gradients into dq, dk, dv (shaped as q, k, v; any strides the kernels
+// write: unit-stride last dimension, and on CUDA those of cuda_readable).
+void attn_bwd_into(const char *op, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                   double scale, bool causal, bool deterministic, Tensor dq, Tensor dk, Tensor dv) {
   const fo_dtype dt = check_qkv(op, q, k, v);
   const char *qdt = dtype_name(q.scalar_type());
   for (const Tensor *t : {&dout, &out}) {
@@ -156,19 +156,16 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
 #ifdef FUSEDOPS_WITH_CUDA
   if (q.is_cuda()) check_cuda_fwd(op, q);
 #endif
-  Tensor dq = empty_like_shape(q, q.scalar_type());
-  Tensor dk = empty_like_shape(k, k.scalar_type());
-  Tensor dv = empty_like_shape(v, v.scalar_type());
   if (B == 0 || Sq == 0 || Hq == 0) {
     // No query: nothing flows back to k and v (which may still have keys).
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
-    return {dq, dk, dv};
+    return;
   }
   if (k.size(1) == 0) {
     // No key: out was 0 whatever q was; dk and dv are empty.
     torch::stable::zero_(dq);
-    return {dq, dk, dv};
+    return;
   }
   q = kernel_readable(q);
   k = kernel_readable(k);
@@ -208,7 +205,33 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
                Tensor ws = workspace(fo_attn_bwd_cuda_workspace(&p));
                return fo_attn_bwd_cuda(&p, stream);
              });
+}
+
+std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                            Tensor lse, double scale, bool causal,
+                                            bool deterministic) {
+  Tensor dq = empty_like_shape(q, q.scalar_type());
+  Tensor dk = empty_like_shape(k, k.scalar_type());
+  Tensor dv = empty_like_shape(v, v.scalar_type());
+  attn_bwd_into("fusedops.attn_bwd", dout, q, k, v, out, lse, scale, causal, deterministic, dq, dk, dv);
   return {dq, dk, dv};
+}
+
+// The gradients as one [B, S, Hq + 2 Hkv, D] tensor: dq, dk, dv side by side
+// along the heads, the layout of a joint q / k / v projection's output, so
+// that its backward is one matmul and nothing is copied or summed on the way.
+Tensor attn_bwd_packed(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, double scale,
+                       bool causal, bool deterministic) {
+  const char *op = "fusedops.attn_bwd_packed";
+  check_qkv(op, q, k, v);
+  STD_TORCH_CHECK(k.size(1) == q.size(1), op, ": k has ", k.size(1), " keys, expected as many as q has queries (",
+                  q.size(1), "): the packed gradient holds dq, dk and dv row by row");
+  const int64_t hq = q.size(2), hkv = k.size(2);
+  Tensor dqkv = torch::stable::new_empty(q, {q.size(0), q.size(1), hq + 2 * hkv, q.size(3)}, q.scalar_type());
+  attn_bwd_into(op, dout, q, k, v, out, lse, scale, causal, deterministic,
+                torch::stable::narrow(dqkv, 2, 0, hq), torch::stable::narrow(dqkv, 2, hq, hkv),
+                torch::stable::narrow(dqkv, 2, hq + hkv, hkv));
+  return dqkv;
 }
 
 }  // namespace
@@ -217,11 +240,13 @@ std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Ten
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
   m.impl("attn_bwd", TORCH_BOX(&fusedops::attn_bwd));
+  m.impl("attn_bwd_packed", TORCH_BOX(&fusedops::attn_bwd_packed));
 }
 
 #ifdef FUSEDOPS_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("attn_fwd", TORCH_BOX(&fusedops::attn_fwd));
   m.impl("attn_bwd", TORCH_BOX(&fusedops::attn_bwd));
+  m.impl("attn_bwd_packed", TORCH_BOX(&fusedops::attn_bwd_packed));
 }
 #endif

@@ -42,11 +42,13 @@ inline std::string device_name(const Tensor &t) {
   return "device type " + std::to_string(static_cast<int>(t.get_device()));
 }
 
-inline std::string shape_str(const Tensor &t) {
+inline std::string shape_str(const Tensor &t, bool strides = false) {
   std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(strides ? t.stride(d) : t.size(d));
   return s + "]";
 }
+
+inline std::string strides_str(const Tensor &t) { return shape_str(t, true); }
 
 // fp32, fp16 or bf16, else an error naming the op and argument.
 inline fo_dtype kernel_dtype(const char *op, const char *arg, const Tensor &t) {

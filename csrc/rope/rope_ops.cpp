@@ -47,15 +47,18 @@ fo_rope_tensor rope_tensor(const Tensor &x, const Tensor &o) {
           o.stride(0),  o.stride(1),  o.stride(2)};
 }
 
-std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
-  const char *op = "fusedops.rope";
+void check_args(const char *op, const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin) {
   kernel_dtype(op, "q", q);
   check_qk(op, "q", q, q);
   check_qk(op, "k", k, q);
   check_table(op, "cos", cos, q);
   check_table(op, "sin", sin, q);
-  q = unit_last(q), k = unit_last(k), cos = unit_last(cos), sin = unit_last(sin);
-  Tensor qo = out_like(q, inverse), ko = out_like(k, inverse);
+}
+
+// Rotates q into qo and k into ko (which may be q and k themselves).
+void run(const char *op, const Tensor &q, const Tensor &k, Tensor cos, Tensor sin, bool inverse,
+         const Tensor &qo, const Tensor &ko) {
+  cos = unit_last(cos), sin = unit_last(sin);
   fo_rope_params p{};
   p.t[0] = rope_tensor(q, qo);
   p.t[1] = rope_tensor(k, ko);
@@ -66,17 +69,40 @@ std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool
   p.sb = sin.size(0) == 1 ? 0 : sin.stride(0), p.ss = sin.stride(1);
   p.inverse = inverse;
   p.dtype = kernel_dtype(op, "q", q);
-  if (p.batch == 0 || p.seq == 0 || p.dim == 0 || q.size(1) + k.size(1) == 0) return {qo, ko};
+  if (p.batch == 0 || p.seq == 0 || p.dim == 0 || q.size(1) + k.size(1) == 0) return;
   run_kernel(op, "q", q, [&] { return fo_rope_cpu(&p); },
              [&](void *stream) { return fo_rope_cuda(&p, stream); });
+}
+
+std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
+  const char *op = "fusedops.rope";
+  check_args(op, q, k, cos, sin);
+  q = unit_last(q), k = unit_last(k);
+  Tensor qo = out_like(q, inverse), ko = out_like(k, inverse);
+  run(op, q, k, cos, sin, inverse, qo, ko);
   return {qo, ko};
+}
+
+void rope_(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
+  const char *op = "fusedops.rope_";
+  check_args(op, q, k, cos, sin);
+  for (const Tensor *t : {&q, &k})
+    STD_TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, op, ": ", t == &q ? "q" : "k", " has strides ",
+                    strides_str(*t), ", expected unit stride along head_dim (the last dimension) to rotate it in place");
+  run(op, q, k, cos, sin, inverse, q, k);
 }
 
 }  // namespace
 }  // namespace fusedops
 
-STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) { m.impl("rope", TORCH_BOX(&fusedops::rope)); }
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
+  m.impl("rope", TORCH_BOX(&fusedops::rope));
+  m.impl("rope_", TORCH_BOX(&fusedops::rope_));
+}
 
 #ifdef FUSEDOPS_WITH_CUDA
-STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) { m.impl("rope", TORCH_BOX(&fusedops::rope)); }
+STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("rope", TORCH_BOX(&fusedops::rope));
+  m.impl("rope_", TORCH_BOX(&fusedops::rope_));
+}
 #endif

@@ -3,9 +3,11 @@
 Schemas (csrc/library.cpp):
   attn_fwd(q, k, v, scale, causal, deterministic=False) -> (out, lse)
   attn_bwd(dout, q, k, v, out, lse, scale, causal, deterministic) -> (dq, dk, dv)
+  attn_bwd_packed(dout, q, k, v, out, lse, scale, causal, deterministic) -> dqkv
 
 q, out, dout, dq are (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse is fp32
-(B, Hq, Sq). The forward ignores `deterministic`: it carries the flag to the
+(B, Hq, Sq); dqkv is (B, S, Hq + 2 Hkv, D), dq, dk and dv side by side (Sq = Sk).
+The forward ignores `deterministic`: it carries the flag to the
 backward, which autograd calls with the saved q, k, v, out and lse. lse is an
 output for the backward only: it takes no gradient.
 """
@@ -29,6 +31,13 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, scale, causal, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("fusedops::attn_bwd_packed")
+def _attn_bwd_packed_fake(dout, q, k, v, out, lse, scale, causal, deterministic):
+    check_one_device("attn_bwd_packed", q=q, k=k, v=v, dout=dout, out=out, lse=lse)
+    B, S, Hq, D = q.shape
+    return q.new_empty((B, S, Hq + 2 * k.shape[2], D))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, scale, causal, *rest = inputs
     out, lse = output
@@ -46,3 +55,4 @@ def _backward(ctx, dout, dlse):
 
 torch.library.register_autograd("fusedops::attn_fwd", _backward, setup_context=_setup_context)
 no_double_backward("attn_bwd")
+no_double_backward("attn_bwd_packed")

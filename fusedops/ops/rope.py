@@ -2,6 +2,7 @@
 
 Schema (csrc/library.cpp):
   rope(q, k, cos, sin, inverse=False) -> (q_out, k_out)
+  rope_(q!, k!, cos, sin, inverse=False) -> ()      (in place; no gradient)
 
 The rotation is linear in q and k, so the backward is the same op with
 inverse=True on the output gradients (cos and sin get no gradient: they are
@@ -10,7 +11,7 @@ fusedops.functional.apply_rotary_pos_emb takes the eager formula when they
 require grad)."""
 import torch
 
-from ._common import check_one_device
+from ._common import check_one_device, register_mutating
 
 _ops = torch.ops.fusedops
 
@@ -27,6 +28,12 @@ def _rope_fake(q, k, cos, sin, inverse=False):
     return _out_like(q, inverse), _out_like(k, inverse)
 
 
+@torch.library.register_fake("fusedops::rope_")
+def _rope_inplace_fake(q, k, cos, sin, inverse=False):
+    check_one_device("rope_", q=q, k=k, cos=cos, sin=sin)
+    return None
+
+
 def _setup(ctx, inputs, output):
     _, _, cos, sin, ctx.inverse = inputs
     ctx.save_for_backward(cos, sin)
@@ -39,3 +46,4 @@ def _backward(ctx, dq, dk):
 
 
 torch.library.register_autograd("fusedops::rope", _backward, setup_context=_setup)
+register_mutating("rope_")
