@@ -438,8 +438,8 @@ class _QKVAttention(torch.autograd.Function):
     place, and one matmul gives dx (where three projections took three and two
     adds), one more the three weight gradients.
 
-    With `cache`, K (rotated) and V are returned as well, contiguous
-    [B, Hkv, S, D] copies for a KV cache: outside autograd (no gradient flows
+    With `cache`, K (rotated) and V are returned as well, [B, Hkv, S, D]
+    views for a KV cache (which copies them): outside autograd (no gradient flows
     back through them), as the cache of a training step is filled but never
     differentiated through, and torch.compile would otherwise add a zero
     gradient for each of them in the backward."""
@@ -471,7 +471,10 @@ class _QKVAttention(torch.autograd.Function):
         out = out.view(bsz, seq, -1)
         if not cache:
             return out
-        kc, vc = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        # Views: the cache copies them (torch.cat) whatever their layout, at the
+        # same speed (an H100 e2e profile: 117 us a 33.5 MB call, contiguous
+        # or not), so a contiguous copy first only adds one.
+        kc, vc = k.transpose(1, 2), v.transpose(1, 2)
         ctx.mark_non_differentiable(kc, vc)
         return out, kc, vc
 

@@ -174,9 +174,12 @@ def test_attn_bwd_packed_matches_attn_bwd(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_opcheck(device, dtype):
-    qkv = randn((2, 6, 8, 8), dtype, device)
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA attention kernels take 16-bit inputs")
+    d = 8 if device == "cpu" else 32  # (the CUDA kernels' smallest head dim)
+    qkv = randn((2, 6, 8, d), dtype, device)
     q, k, v = qkv.split([4, 2, 2], dim=2)
-    cos, sin = tables(2, 6, 8, dtype, device, "random")
+    cos, sin = tables(2, 6, d, dtype, device, "random")
     torch.library.opcheck(ops.rope_, (q.clone().transpose(1, 2), k.clone().transpose(1, 2), cos, sin))
     out, lse = ops.attn_fwd(q, k, v, 0.3, True)
     torch.library.opcheck(ops.attn_bwd_packed, (torch.randn_like(out), q, k, v, out, lse, 0.3, True, False))
@@ -199,14 +202,15 @@ def test_torch_compile(device):
 
 
 def test_bad_input(device):
-    q = randn((2, 5, 4, 8), torch.float32, device)
-    k = randn((2, 5, 2, 8), torch.float32, device)
-    cos, sin = tables(2, 5, 8, torch.float32, device, "random")
-    wide = randn((2, 5, 4, 16), torch.float32, device)[..., ::2]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = randn((2, 5, 4, 32), dtype, device)
+    k = randn((2, 5, 2, 32), dtype, device)
+    cos, sin = tables(2, 5, 32, dtype, device, "random")
+    wide = randn((2, 5, 4, 64), dtype, device)[..., ::2]
     raises_unchanged(ops.rope_, dict(q=wide.transpose(1, 2), k=k.transpose(1, 2), cos=cos, sin=sin),
-                     r"fusedops.rope_: q has strides \[320, 16, 64, 2\], expected unit stride along head_dim")
+                     r"fusedops.rope_: q has strides \[1280, 64, 256, 2\], expected unit stride along head_dim")
     out, lse = ops.attn_fwd(q, k, k, 0.3, False)
-    k6 = randn((2, 6, 2, 8), torch.float32, device)
+    k6 = randn((2, 6, 2, 32), dtype, device)
     raises_unchanged(ops.attn_bwd_packed, dict(dout=out, q=q, k=k6, v=k6, out=out, lse=lse, scale=0.3,
                                                causal=False, deterministic=False),
                      r"fusedops.attn_bwd_packed: k has 6 keys, expected as many as q has queries \(5\)")
