@@ -500,6 +500,14 @@ class _QKVAttention(torch.autograd.Function):
                 *(None,) * 7)
 
 
+def _qkv_fused(x, wq, wk, wv, cos, sin, num_heads, num_kv_heads, bq=None, bk=None, bv=None, scale=None,
+               causal=True, return_kv=False):
+    """qkv_attention on the kernels, for a call _qkv_gap has cleared."""
+    scale = (wq.shape[0] // num_heads) ** -0.5 if scale is None else float(scale)
+    return _QKVAttention.apply(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads, scale,
+                               bool(causal), bool(return_kv))
+
+
 def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_heads, q_bias=None,
                   k_bias=None, v_bias=None, scale=None, causal=True, return_kv=False):
     """The attention of a Llama-family layer up to its output projection: x
@@ -514,13 +522,12 @@ def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_h
     fusedops.nn.join_weights, saves a copy of them), RoPE in place, and a
     backward that sums nothing (see _QKVAttention). Calls that the kernels do
     not take run the same math in torch's ops."""
-    gap = _qkv_gap(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, num_heads,
-                   num_kv_heads)
-    d = q_weight.shape[0] // max(num_heads, 1)
-    scale = d ** -0.5 if scale is None else float(scale)
-    if gap is None:
-        return _QKVAttention.apply(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin,
-                                   num_heads, num_kv_heads, scale, bool(causal), bool(return_kv))
+    if _qkv_gap(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, num_heads,
+                num_kv_heads) is None:
+        return _qkv_fused(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_heads, q_bias,
+                          k_bias, v_bias, scale, causal, return_kv)
+    if scale is None:
+        scale = (q_weight.shape[0] // max(num_heads, 1)) ** -0.5
     lin = torch.nn.functional.linear
 
     def heads(t, n):

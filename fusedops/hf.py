@@ -50,8 +50,13 @@ FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
 
 # --------------------------------------------------------------- attention
 _warned = set()
-# transformers' attention arguments that fusedops' attention has no equivalent for.
-_UNSUPPORTED = ("softcap", "position_bias", "cache", "output_attentions")
+
+
+def _unsupported(kwargs):
+    """transformers' attention arguments among kwargs that fusedops' attention
+    has no equivalent for."""
+    return [k for k in ("softcap", "position_bias", "cache", "output_attentions")
+            if kwargs.get(k) is not None and kwargs.get(k) is not False]
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -66,7 +71,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     first time, from fusedops.functional). Features of transformers' own
     function that this one has no equivalent for (softcap, position_bias, a
     paged cache, output_attentions) go to it whole."""
-    extra = [k for k in _UNSUPPORTED if kwargs.get(k) is not None and kwargs.get(k) is not False]
+    extra = _unsupported(kwargs)
     if extra:
         if tuple(extra) not in _warned and not torch.compiler.is_compiling():
             _warned.add(tuple(extra))
@@ -257,14 +262,17 @@ def _mlp_forward(self, x):
     return glu_mlp_of(self, x, self._fusedops_activation)
 
 
-def _mlp_apply(self, fn, *args, **kwargs):
-    """nn.Module._apply (.to() and the like), then gate and up joined again."""
-    out = self._fusedops_base._apply(self, fn, *args, **kwargs)
-    join_gate_up(self)
-    return out
+def _apply_then(join):
+    """An _apply for a fused class: nn.Module._apply (.to() and the like, which
+    give each parameter storage of its own), then join(self) again."""
+    def _apply(self, fn, *args, **kwargs):
+        out = self._fusedops_base._apply(self, fn, *args, **kwargs)
+        join(self)
+        return out
+    return _apply
 
 
-_MLP = {"forward": _mlp_forward, "_apply": _mlp_apply, "_fusedops_patched": join_gate_up}
+_MLP = {"forward": _mlp_forward, "_apply": _apply_then(join_gate_up), "_fusedops_patched": join_gate_up}
 
 
 def _make_mlp(module):
@@ -366,12 +374,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     is when attention is fusedops' and causal without a mask, no dropout, the
     cache (if any) has no tokens of this layer yet (training, or a prompt's
     first forward) and the projections are plain torch.nn.Linear. transformers'
-    cache then receives detached copies of K and V (see qkv_attention)."""
+    cache then receives K and V outside autograd (see qkv_attention)."""
     x = hidden_states
     fast = (self.config._attn_implementation == NAME and attention_mask is None
             and position_embeddings is not None and not (self.training and self.attention_dropout)
             and getattr(self, "is_causal", True) and x.dim() == 3
-            and not any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in _UNSUPPORTED)
+            and not _unsupported(kwargs)
             and all(_plain_linear(getattr(self, p)) for p in _QKV)
             and _cache_empty(past_key_values, self.layer_idx))
     if fast:
@@ -380,21 +388,14 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         hq, hkv = q.out_features // self.head_dim, k.out_features // self.head_dim
         if F._qkv_gap(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias, cos, sin, hq, hkv) is None:
             cache = past_key_values is not None
-            res = F.qkv_attention(x, q.weight, k.weight, v.weight, cos, sin, hq, hkv, q.bias, k.bias,
-                                  v.bias, scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache)
+            res = F._qkv_fused(x, q.weight, k.weight, v.weight, cos, sin, hq, hkv, q.bias, k.bias, v.bias,
+                               scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache)
             if cache:
                 res, kc, vc = res
                 past_key_values.update(kc, vc, self.layer_idx)
             return self.o_proj(res), None
     return self._fusedops_rope_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                        **kwargs)
-
-
-def _attention_apply(self, fn, *args, **kwargs):
-    """nn.Module._apply (.to() and the like), then q, k and v joined again."""
-    out = self._fusedops_base._apply(self, fn, *args, **kwargs)
-    join_weights(self, _QKV)
-    return out
 
 
 def _join_qkv(self):
@@ -412,7 +413,7 @@ def _attention_namespace(cls):
         return None
     if not _llama_like_attention(cls):
         return {"forward": rope}
-    return {"forward": _attention_forward, "_fusedops_rope_forward": rope, "_apply": _attention_apply,
+    return {"forward": _attention_forward, "_fusedops_rope_forward": rope, "_apply": _apply_then(_join_qkv),
             "_fusedops_patched": _join_qkv}
 
 

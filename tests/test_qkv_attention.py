@@ -186,10 +186,8 @@ def test_opcheck(device, dtype):
 
 
 def test_torch_compile(device):
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x, ws, bs, cos, sin = inputs(2, 9, 64, 4, 2, 16 if device == "cpu" else 64, dtype, device, True, True)
-    if device == "cuda":
-        x, ws, bs, cos, sin = inputs(2, 9, 256, 4, 2, 64, dtype, device, True, True)
+    dtype, hidden, d = (torch.float32, 64, 16) if device == "cpu" else (torch.bfloat16, 256, 64)
+    x, ws, bs, cos, sin = inputs(2, 9, hidden, 4, 2, d, dtype, device, True, True)
     dout = torch.randn(x.shape[0], x.shape[1], ws[0].shape[0], dtype=dtype, device=device)
     hq, hkv = 4, 2
     torch._dynamo.reset()

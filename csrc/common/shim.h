@@ -94,13 +94,16 @@ inline void check_same_shape(const char *op, const char *arg, const Tensor &t, c
                   ref_arg, " ", shape_str(ref));
 }
 
+// Whether t's last dimension is unit-stride (or of at most one element).
+inline bool is_unit_last(const Tensor &t) {
+  const int64_t last = t.dim() - 1;
+  return t.size(last) <= 1 || t.stride(last) == 1;
+}
+
 // t with a unit-stride last dimension, for kernels that read every other
 // dimension through its stride: t itself, or a contiguous copy when its last
 // dimension is strided (never misread).
-inline Tensor unit_last(const Tensor &t) {
-  const int64_t last = t.dim() - 1;
-  return t.size(last) <= 1 || t.stride(last) == 1 ? t : torch::stable::contiguous(t);
-}
+inline Tensor unit_last(const Tensor &t) { return is_unit_last(t) ? t : torch::stable::contiguous(t); }
 
 // A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
 inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {

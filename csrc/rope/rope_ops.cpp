@@ -30,12 +30,12 @@ void check_table(const char *op, const char *arg, const Tensor &t, const Tensor 
                   ", ", q.size(3), "] ([batch, seq, head_dim] of q, shape ", shape_str(q), ")");
 }
 
-// A [B, H, S, D] output. The forward rotation's is contiguous: a model's KV
-// cache copies k (torch.cat) at full speed only from a contiguous tensor (from
-// the projections' layout its generic strided path ran at 0.6 TB/s on an
-// H100), and the attention reads either layout in place. The inverse's (the
-// backward's, on output gradients) is [B, S, H, D] in memory: the layout of
-// the projections the gradients flow back into, which then takes no copy.
+// A [B, H, S, D] output. The forward rotation's is contiguous (the attention
+// reads either layout in place; on an H100 this layout took 0.9 ms off the
+// e2e Llama step, for a reason not identified: docs/perf-notes.md). The
+// inverse's (the backward's, on output gradients) is [B, S, H, D] in memory:
+// the layout of the projections the gradients flow back into, which then
+// takes no copy.
 Tensor out_like(const Tensor &x, bool inverse) {
   if (!inverse) return torch::stable::new_empty(x, {x.size(0), x.size(1), x.size(2), x.size(3)}, x.scalar_type());
   Tensor o = torch::stable::new_empty(x, {x.size(0), x.size(2), x.size(1), x.size(3)}, x.scalar_type());
@@ -87,7 +87,7 @@ void rope_(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
   const char *op = "fusedops.rope_";
   check_args(op, q, k, cos, sin);
   for (const Tensor *t : {&q, &k})
-    STD_TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, op, ": ", t == &q ? "q" : "k", " has strides ",
+    STD_TORCH_CHECK(is_unit_last(*t), op, ": ", t == &q ? "q" : "k", " has strides ",
                     strides_str(*t), ", expected unit stride along head_dim (the last dimension) to rotate it in place");
   run(op, q, k, cos, sin, inverse, q, k);
 }
