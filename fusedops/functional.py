@@ -439,7 +439,7 @@ class _QKVAttention(torch.autograd.Function):
     adds), one more the three weight gradients.
 
     With `cache`, K (rotated) and V are returned as well, [B, Hkv, S, D]
-    views for a KV cache (which copies them): outside autograd (no gradient flows
+    views of the packed tensor for a KV cache: outside autograd (no gradient flows
     back through them), as the cache of a training step is filled but never
     differentiated through, and torch.compile would otherwise add a zero
     gradient for each of them in the backward."""
@@ -471,9 +471,8 @@ class _QKVAttention(torch.autograd.Function):
         out = out.view(bsz, seq, -1)
         if not cache:
             return out
-        # Views: the cache copies them (torch.cat) whatever their layout, at the
-        # same speed (an H100 e2e profile: 117 us a 33.5 MB call, contiguous
-        # or not), so a contiguous copy first only adds one.
+        # Views of qkv, which the backward keeps anyway: a cache may hold them as
+        # they are (fusedops.hf's _cache_put) or copy them.
         kc, vc = k.transpose(1, 2), v.transpose(1, 2)
         ctx.mark_non_differentiable(kc, vc)
         return out, kc, vc

@@ -281,6 +281,8 @@ def test_hf_joint_qkv_attention(family, monkeypatch):
     a forward whose cache has no tokens yet; transformers' cache then holds
     the same K and V as unpatched, detached. A forward over a filled cache
     (decoding), and Qwen3 (q / k norms), keep transformers' forward."""
+    from transformers.cache_utils import DynamicLayer
+
     from fusedops import functional as F
     calls = []
     apply = F._QKVAttention.apply
@@ -300,6 +302,11 @@ def test_hf_joint_qkv_attention(family, monkeypatch):
         torch.testing.assert_close(lay.keys, lay_ref.keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(lay.values, lay_ref.values, rtol=0, atol=1e-5)
         assert not lay.keys.requires_grad or not joint
+        # The joint path hands a DynamicLayer views of its packed q / k / v
+        # tensor, not copies; Mistral's sliding-window layers copy them.
+        views = family in ("Llama", "Qwen2")
+        assert (type(lay) is DynamicLayer) == (family != "Mistral")
+        assert (lay.keys.untyped_storage().data_ptr() == lay.values.untyped_storage().data_ptr()) == views
     step = m(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     step_ref = ref(ids[:, :1], past_key_values=out_ref.past_key_values, use_cache=True)
     assert len(calls) == (2 if joint else 0)
