@@ -503,8 +503,14 @@ def _qkv_fused(x, wq, wk, wv, cos, sin, num_heads, num_kv_heads, bq=None, bk=Non
                causal=True, return_kv=False):
     """qkv_attention on the kernels, for a call _qkv_gap has cleared."""
     scale = (wq.shape[0] // num_heads) ** -0.5 if scale is None else float(scale)
-    return _QKVAttention.apply(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads, scale,
-                               bool(causal), bool(return_kv))
+    res = _QKVAttention.apply(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads, scale,
+                              bool(causal), bool(return_kv))
+    if not return_kv:
+        return res
+    # Detached again: torch 2.11's AOTAutograd loses mark_non_differentiable on
+    # an output that is a view, and then fails to trace the backward.
+    out, k, v = res
+    return out, k.detach(), v.detach()
 
 
 def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_heads, q_bias=None,

@@ -504,6 +504,11 @@ def test_hf_torch_compile(monkeypatch):
     assert g.keys() == {"_orig_mod." + n for n in g_ref}
     for n in g_ref:
         torch.testing.assert_close(g["_orig_mod." + n], g_ref[n], rtol=0, atol=1e-5)
+    # The cache holds K and V outside autograd, as views of the packed q / k / v
+    # tensor (a non-differentiable view output broke torch 2.11's AOT backward).
+    for lay in compiled(ids).past_key_values.layers:
+        assert not lay.keys.requires_grad and not lay.values.requires_grad
+        assert lay.keys.untyped_storage().data_ptr() == lay.values.untyped_storage().data_ptr()
     # A padding mask: attention goes to torch's SDPA, still in one graph (the
     # fallback warning is not traced).
     mask = torch.ones_like(ids)
