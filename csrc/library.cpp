@@ -24,6 +24,8 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // glu_bwd writing dgate over gate, dup over up, and the forward's output
   // act(gate) * up over dout (all contiguous).
   m.def("glu_bwd_(Tensor(a!) dout, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");
+  // glu_bwd_'s three results as new tensors: (out, dgate, dup).
+  m.def("glu_bwd_recompute(Tensor dout, Tensor gate, Tensor up, str activation) -> (Tensor out, Tensor dgate, Tensor dup)");
   m.def("glu_packed_fwd(Tensor gate_up, str activation) -> Tensor");
   m.def("glu_packed_bwd(Tensor dout, Tensor gate_up, str activation) -> Tensor");
   // glu_packed_bwd writing [dgate | dup] over gate_up and act(gate) * up over

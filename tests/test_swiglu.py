@@ -185,6 +185,33 @@ def test_inplace_backward(device, act):
 
 
 @pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
+def test_recompute_backward(device, act, strided):
+    """glu_bwd_recompute returns glu_fwd's and glu_bwd's results, bit for bit,
+    in new dense tensors (poisoned first), leaving its inputs unchanged; on
+    dense inputs and on column slices of wider ones."""
+    for dtype in LOWP:
+        for shape in ((5, 1000), (3, 4, 7), (0, 8)):
+            if strided:  # each a slice of a tensor twice as wide: rows strided
+                g, u, d = (randn((*shape[:-1], 2 * shape[-1]), dtype, device)[..., :shape[-1]] for _ in range(3))
+            else:
+                g, u, d = (randn(shape, dtype, device) for _ in range(3))
+            before = [t.clone() for t in (d, g, u)]
+            dg, du = ops.glu_bwd(d, g, u, act)
+            h = ops.glu_fwd(g, u, act)
+            with maybe_poisoned(device, True):
+                got = ops.glu_bwd_recompute(d, g, u, act)
+            for t, want in zip(got, (h, dg, du)):
+                assert t.shape == want.shape and t.is_contiguous() and t.dtype == dtype
+                assert torch.equal(bits(t), bits(want))
+            assert all(torch.equal(bits(t), bits(b)) for t, b in zip((d, g, u), before))
+    raises_unchanged(ops.glu_bwd_recompute, dict(dout=randn((3, 7), torch.float32, device),
+                                                 gate=randn((3, 8), torch.float32, device),
+                                                 up=randn((3, 8), torch.float32, device), activation=act),
+                     r"fusedops\.glu_bwd_recompute: dout has shape \[3, 7\], expected the shape of gate \[3, 8\]")
+
+
+@pytest.mark.parametrize("act", ACTS)
 def test_inplace_packed_backward(device, act):
     """glu_packed_bwd_ writes glu_packed_bwd's result over gate_up and
     glu_packed_fwd's over dout, bit for bit, and nothing past them."""
@@ -296,6 +323,7 @@ def test_opcheck(device, dtype, act):
     torch.library.opcheck(ops.glu_fwd, (g.requires_grad_(), u.requires_grad_(), act))
     torch.library.opcheck(ops.glu_bwd, (d, g.detach(), u.detach(), act))
     torch.library.opcheck(ops.glu_bwd_, (d.clone(), g.detach().clone(), u.detach().clone(), act))
+    torch.library.opcheck(ops.glu_bwd_recompute, (d, g.detach(), u.detach(), act))
     gu = randn((2, 3, 20), dtype, device)
     torch.library.opcheck(ops.glu_packed_fwd, (gu.requires_grad_(), act))
     torch.library.opcheck(ops.glu_packed_bwd, (d, gu.detach(), act))

@@ -1,4 +1,4 @@
-// Registration shim for fusedops::glu_fwd / glu_bwd / glu_packed_fwd /
+// Registration shim for fusedops::glu_fwd / glu_bwd / glu_bwd_recompute / glu_packed_fwd /
 // glu_packed_bwd: checks the arguments, allocates outputs, fills the C params
 // struct, calls the kernel.
 #include "../common/shim.h"
@@ -96,15 +96,35 @@ Tensor glu_fwd(Tensor gate, Tensor up, std::string activation) {
   return out;
 }
 
-std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::string activation) {
-  const char *op = "fusedops.glu_bwd";
+// The backward into new tensors; with `out`, also the forward's output
+// act(gate) * up, recomputed, into out.
+std::tuple<Tensor, Tensor> glu_bwd_into(const char *op, Tensor &dout, Tensor &gate, Tensor &up,
+                                        const std::string &activation, Tensor *out) {
   fo_glu_params p = glu_params(op, gate, up, &dout, activation);
   Tensor dgate = empty_like_shape(gate, gate.scalar_type());
   Tensor dup = empty_like_shape(gate, gate.scalar_type());
   p.dgate = dgate.data_ptr();
   p.dup = dup.data_ptr();
+  if (out) {
+    *out = empty_like_shape(gate, gate.scalar_type());
+    p.out = out->data_ptr();
+    p.h_stride = p.cols;
+  }
   run(op, gate, p, true);
   return {dgate, dup};
+}
+
+std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::string activation) {
+  return glu_bwd_into("fusedops.glu_bwd", dout, gate, up, activation, nullptr);
+}
+
+// glu_bwd_'s results in new tensors (for torch.compile, which copies a
+// backward graph's inputs before an op writes them).
+std::tuple<Tensor, Tensor, Tensor> glu_bwd_recompute(Tensor dout, Tensor gate, Tensor up,
+                                                     std::string activation) {
+  Tensor out = dout;
+  auto [dgate, dup] = glu_bwd_into("fusedops.glu_bwd_recompute", dout, gate, up, activation, &out);
+  return {out, dgate, dup};
 }
 
 // The in-place backward ops write every tensor they take: each must be dense,
@@ -215,6 +235,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
   m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
   m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
+  m.impl("glu_bwd_recompute", TORCH_BOX(&fusedops::glu_bwd_recompute));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
   m.impl("glu_packed_bwd_", TORCH_BOX(&fusedops::glu_packed_bwd_));
@@ -225,6 +246,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("glu_fwd", TORCH_BOX(&fusedops::glu_fwd));
   m.impl("glu_bwd", TORCH_BOX(&fusedops::glu_bwd));
   m.impl("glu_bwd_", TORCH_BOX(&fusedops::glu_bwd_));
+  m.impl("glu_bwd_recompute", TORCH_BOX(&fusedops::glu_bwd_recompute));
   m.impl("glu_packed_fwd", TORCH_BOX(&fusedops::glu_packed_fwd));
   m.impl("glu_packed_bwd", TORCH_BOX(&fusedops::glu_packed_bwd));
   m.impl("glu_packed_bwd_", TORCH_BOX(&fusedops::glu_packed_bwd_));

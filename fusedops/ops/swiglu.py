@@ -4,6 +4,7 @@ Schemas (csrc/library.cpp):
   glu_fwd(gate, up, activation) -> out
   glu_bwd(dout, gate, up, activation) -> (dgate, dup)
   glu_bwd_(dout!, gate!, up!, activation)   # dgate over gate, dup over up, act(gate)*up over dout
+  glu_bwd_recompute(dout, gate, up, activation) -> (out, dgate, dup)  # glu_bwd_'s results, new
   glu_packed_fwd(gate_up, activation) -> out              # gate_up = [gate | up]
   glu_packed_bwd(dout, gate_up, activation) -> dgate_up
   glu_packed_bwd_(dout!, gate_up!, activation)  # [dgate | dup] over gate_up, act(gate)*up over dout
@@ -32,6 +33,12 @@ def _glu_bwd_fake(dout, gate, up, activation):
     check_one_device("glu_bwd", gate=gate, up=up, dout=dout)
     return (torch.empty_like(gate, memory_format=torch.contiguous_format),
             torch.empty_like(gate, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("fusedops::glu_bwd_recompute")
+def _glu_bwd_recompute_fake(dout, gate, up, activation):
+    check_one_device("glu_bwd_recompute", gate=gate, up=up, dout=dout)
+    return tuple(torch.empty_like(gate, memory_format=torch.contiguous_format) for _ in range(3))
 
 
 @torch.library.register_fake("fusedops::glu_bwd_")
@@ -77,7 +84,7 @@ def _glu_packed_backward(ctx, dout):
 torch.library.register_autograd("fusedops::glu_fwd", _glu_backward, setup_context=_save_inputs)
 torch.library.register_autograd(
     "fusedops::glu_packed_fwd", _glu_packed_backward, setup_context=_save_inputs)
-for _op in ("glu_bwd", "glu_packed_bwd"):
+for _op in ("glu_bwd", "glu_bwd_recompute", "glu_packed_bwd"):
     no_double_backward(_op)
 for _op in ("glu_bwd_", "glu_packed_bwd_"):
     register_mutating(_op)
