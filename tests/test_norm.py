@@ -235,6 +235,60 @@ def test_wide_rows_cuda(c):
     assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
 
 
+# Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
+# row's s, dy and ds staged through shared memory, rows ahead): every stored
+# dtype combination, rows fewer than the grid's teams (1, 3) and not a multiple
+# of them (333, 2001), widths whose last chunks fall past the team's slice
+# (4104, 6000), no residual gradient (ds), no weight, fp32 weight.
+PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, residual="fp32"),
+              rms((3, 4104), torch.bfloat16, residual="none"), ln((1, 8192), torch.bfloat16, weight=False, bias=False),
+              rms((700, 7168), torch.bfloat16, param="fp32"), ln((257, 5120), torch.float16, residual="none_fp32"),
+              ln((64, 8192), torch.float16, bias=False, param="fp32")]
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", PIPE_CASES, ids=ids(PIPE_CASES))
+def test_pipe_rows_cuda(c):
+    inp = make_inputs(c, "cuda")
+    got = forward_backward(c, inp, poison=True)
+    check_against_reference(c, inp, got)
+    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+
+
+@requires_cuda
+@pytest.mark.parametrize("rms_", [False, True])
+def test_pipe_rows_without_ds_cuda(rms_):
+    """Without a gradient for s (no ds) bwd_pipe stages two arrays a row, not
+    three: dx must equal that of ds = 0, and dweight / dbias be unchanged."""
+    c = (rms if rms_ else ln)((300, 8192), torch.bfloat16)
+    inp = make_inputs(c, "cuda")
+    y, s, mean, rstd = ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"], c.eps, c.rms, False)
+    args = (s, inp["weight"], inp["bias"], mean, rstd, c.rms, True, not c.rms)
+    with poisoned("cuda"):
+        got = ops.add_norm_bwd(inp["gy"], None, *args)
+    want = ops.add_norm_bwd(inp["gy"], torch.zeros_like(s), *args)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@requires_cuda
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
+                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256"])
+def test_backward_plans_cuda(env):
+    """The backward's tuning switches (read once per process, so each runs in a
+    subprocess): two and four pipeline stages, and bwd_regs with 256-thread
+    blocks (the plan before bwd_pipe), on the pipe cases and the shape cases."""
+    import os
+    import subprocess
+    import sys
+    extra = dict(kv.split("=") for kv in env.split())
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "test_pipe_rows_cuda or (test_shapes and cuda)"],
+                          env=dict(os.environ, **extra), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{env}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
 def _stats64(s, eps, rms):
     """Per-row (mean, rstd) of s, computed in s's dtype ([0] mean for RMSNorm)."""
     s = s.reshape(-1, s.shape[-1])

@@ -143,6 +143,39 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// cp.async (sm_80 and up): 16 bytes global -> shared without a register,
+// zeros when !valid; completion in groups (commit_group), waited for as "at
+// most N groups still in flight". The memory clobbers keep the compiler from
+// moving shared-memory reads or writes across them: a thread that reads back
+// its own copies needs no barrier, only the wait.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// BYTES (a multiple of 16) global -> shared by cp.async.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_bytes(void *dst, const void *src) {
+  static_assert(BYTES % 16 == 0, "cp.async moves 16-byte pieces");
+#pragma unroll
+  for (int j = 0; j < BYTES / 16; ++j)
+    cp_async16(static_cast<char *>(dst) + 16 * j, static_cast<const char *>(src) + 16 * j, true);
+}
+// cp_async_wait for a count known only at run time (0 to 3).
+__device__ __forceinline__ void cp_async_wait_for(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
 // mbarriers (8 bytes of shared memory each; sm_90 and up: the waits use
 // try_wait.parity). Below sm_90 they trap: the host launches no kernel that
 // uses them there.
@@ -288,6 +321,20 @@ inline int sm_count(int device) {
     int n = 0;
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
       n = 132;
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+// The most shared memory one block may opt in to (cached): 227 KB on an
+// H100, 163 KB on an A100.
+inline int smem_optin(int device) {
+  static int cache[64];
+  if (device < 0 || device >= 64) return 48 * 1024;
+  if (!cache[device]) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess || n <= 0)
+      n = 48 * 1024;
     cache[device] = n;
   }
   return cache[device];

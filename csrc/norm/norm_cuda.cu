@@ -16,6 +16,11 @@
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
  *                        shared memory, and each block writes one partial row.
+ *   bwd_pipe             16-bit rows of 4K-8K values (where bwd_regs' team would be
+ *                        the whole multiprocessor): teams of at most 512
+ *                        threads whose rows are staged through shared memory
+ *                        by cp.async, rows ahead, so that loads stay in
+ *                        flight while a team reduces.
  *   fwd_loop / bwd_loop  any width or alignment: one block per row, passes over
  *                        the row re-read from L1/L2 (s read back after it is
  *                        written by the same thread).
@@ -384,6 +389,155 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
   }
 }
 
+// bwd_regs' teams and columns, with each row's s, dy and ds staged through
+// shared memory: cp.async copies rows `stages` - 1 ahead while the team works
+// on the current one, so that loads stay in flight through every reduction
+// (bwd_regs issues a row's loads after the previous row's dx; at 8192 wide
+// its 1024-thread team fills the multiprocessor, which then has no loads in
+// flight while the team reduces). A thread copies and reads back only its own
+// chunks, so the copies need no barrier, only the wait. dweight / dbias sums
+// stay in registers (shared memory holds the stages) until the block adds its
+// teams' sums into its partial rows.
+constexpr int kMaxStages = 4;  // cp_async_wait_for takes at most 3 pending groups
+// Teams of at most 512 threads (128 registers each): the stages keep the loads
+// in flight, so the team need not be large, and 1024-thread teams spill.
+constexpr int kPipeThreads = 512;
+template <class T, class S, class W, int VEC, int NV>
+__global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_params p, int stages) {
+  __shared__ float red[kMaxTeams][2][64];
+  extern __shared__ float4 smem[];
+  const int tid = threadIdx.x, team = blockDim.x;
+  const int64_t cols = p.cols;
+  const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
+  auto col = [&](int k) { return (k * team + tid) * VEC; };  // rows here are at most 16K values
+  // A team's stage: s, dy and ds (when given), `span` values each, laid out
+  // as in the row.
+  const int span = NV * VEC * team;  // 32-bit shared-memory offsets: fewer registers
+  const int stage_bytes = span * (int)(sizeof(S) + sizeof(T) + (p.ds ? sizeof(S) : 0));
+  char *own = reinterpret_cast<char *>(smem) + (int)threadIdx.y * stages * stage_bytes;
+  auto s_at = [&](int st) { return reinterpret_cast<S *>(own + st * stage_bytes); };
+  auto dy_at = [&](int st) { return reinterpret_cast<T *>(own + st * stage_bytes + span * (int)sizeof(S)); };
+  auto ds_at = [&](int st) {
+    return reinterpret_cast<S *>(own + st * stage_bytes + span * (int)(sizeof(S) + sizeof(T)));
+  };
+  const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  // Row `row`, when there is one, into stage st: one commit group either way.
+  auto fetch = [&](int64_t row, int st) {
+    if (row < p.rows) {
+      const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
+      const T *dyp = static_cast<const T *>(p.dy) + row * p.dy_stride;
+      const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (col(k) < cols) {
+          cp_async_bytes<VEC * sizeof(S)>(s_at(st) + col(k), sp + col(k));
+          cp_async_bytes<VEC * sizeof(T)>(dy_at(st) + col(k), dyp + col(k));
+          if (dsp) cp_async_bytes<VEC * sizeof(S)>(ds_at(st) + col(k), dsp + col(k));
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  for (int i = 0; i + 1 < stages; ++i) fetch(first + i * row_step, i);
+
+  Pack<W, VEC> w[NV];  // the same in every row
+  float dw[NV][VEC], db[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (p.weight && col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dw[k][i] = db[k][i] = 0.f;
+  }
+  float mean = 0.f, rstd = 0.f;
+  if (first < p.rows) {
+    mean = p.mean ? p.mean[first] : 0.f;
+    rstd = p.rstd[first];
+  }
+  int st = 0, parity = 0;
+  for (int64_t row = first; row < p.rows; row += row_step) {
+    fetch(row + (stages - 1) * row_step, st == 0 ? stages - 1 : st - 1);  // the stage the last row left
+    const int64_t next = row + row_step;  // its statistics arrive during this row
+    float next_mean = 0.f, next_rstd = 0.f;
+    if (next < p.rows) {
+      next_mean = p.mean ? p.mean[next] : 0.f;
+      next_rstd = p.rstd[next];
+    }
+    cp_async_wait_for(stages - 1);  // this row's group has landed
+    float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + col(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + col(k));
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float dy = to_f(dyv.v[i]), xh = (to_f(sv.v[i]) - mean) * rstd;
+          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          sums[0] += g;
+          sums[1] += g * xh;
+          dw[k][i] += dy * xh;
+          db[k][i] += dy;
+        }
+      }
+    }
+    team_sum(sums, team, red[threadIdx.y][parity]);
+    parity ^= 1;
+    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
+    const float mean_gx = sums[1] / (float)cols;
+    S *dx = static_cast<S *>(p.dx) + row * cols;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        // s and dy read again: registers across the reduction are what spills
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + col(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + col(k));
+        Pack<S, VEC> dsv;
+        if (p.ds) dsv = load_pack<VEC>(ds_at(st) + col(k));
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float dy = to_f(dyv.v[i]), xh = (to_f(sv.v[i]) - mean) * rstd;
+          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          o[i] = rstd * (g - mean_g - xh * mean_gx);
+          if (p.ds) o[i] += to_f(dsv.v[i]);
+        }
+        store_f<VEC>(dx + col(k), o);
+      }
+    }
+    mean = next_mean;
+    rstd = next_rstd;
+    st = st + 1 == stages ? 0 : st + 1;
+  }
+  cp_async_wait<0>();  // the empty groups past the last row
+  if (!want_w && !want_b) return;
+  // The block's partial rows: its teams' sums, added in a fixed order, through
+  // the shared memory the stages used ([team][2][span] floats).
+  __syncthreads();
+  float *team_sums = reinterpret_cast<float *>(smem);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        team_sums[(threadIdx.y * 2 + 0) * span + col(k) + i] = dw[k][i];
+        team_sums[(threadIdx.y * 2 + 1) * span + col(k) + i] = db[k][i];
+      }
+    }
+  }
+  __syncthreads();
+  const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
+  for (int which = 0; which < 2; ++which) {
+    if (!(which == 0 ? want_w : want_b)) continue;
+    float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
+    for (int64_t c = flat; c < cols; c += nthreads) {
+      float sum = 0.f;
+      for (int t = 0; t < (int)blockDim.y; ++t) sum += team_sums[(t * 2 + which) * span + c];
+      out[c] = sum;
+    }
+  }
+}
+
 // dx only, any width: one block per row, two passes over the row (sums, then
 // dx); the second re-reads dy and s, from L1/L2 where the row still is.
 template <class T, class S, class W, int VEC>
@@ -679,6 +833,31 @@ void with_nv(int nv, F &&f) {
   }
 }
 
+// Threads a backward block aims for when teams are small: each block writes
+// one partial dweight/dbias row, so larger blocks write (and colsum reads)
+// fewer (at 16384x1024 the 256-thread blocks of the forward left 528 partial
+// rows, 4 MB each way against 134 MB of data). FUSEDOPS_NORM_BWD_BLOCK
+// overrides it, for tuning.
+constexpr int kBwdBlockTarget = 1024;
+int bwd_block_target() {
+  static const int n = [] {
+    const char *e = getenv("FUSEDOPS_NORM_BWD_BLOCK");
+    const int v = e ? atoi(e) : 0;
+    return v >= 32 && v <= 1024 ? v : kBwdBlockTarget;
+  }();
+  return n;
+}
+
+// Rows the backward's pipeline stages ahead, plus one: FUSEDOPS_NORM_STAGES
+// (2 to 4; 0 or 1 selects bwd_regs), for tuning.
+int bwd_stages() {
+  static const int n = [] {
+    const char *e = getenv("FUSEDOPS_NORM_STAGES");
+    return e ? std::min(atoi(e), kMaxStages) : 3;
+  }();
+  return n;
+}
+
 // The backward's plan: the dx kernel, its grid and shared memory, and the
 // dweight/dbias partial rows (0 when none are wanted). `launch` false only
 // plans (for the workspace size); true also launches on `stream`.
@@ -686,7 +865,18 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const int vec = 16 / fo_dtype_size(p->x_dtype);
   // (No cluster plan: split over clusters, wide rows ran no faster backward
   // than in the loop kernel; docs/perf-notes.md.)
-  const Shape c = choose(p->cols, vec, bwd_vec_ok(p, vec), target_values(vec), kBwdMaxValues * vec / 8);
+  const bool vec_ok = bwd_vec_ok(p, vec);
+  const int max_values = kBwdMaxValues * vec / 8;
+  Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values);
+  if (c.nv) c.rpb = std::max(1, std::min(kMaxTeams, bwd_block_target() / c.team));
+  // bwd_pipe where bwd_regs' team would be a whole multiprocessor, in the
+  // fewest values a thread that keep its team within kPipeThreads.
+  Shape pc{};
+  for (int t = target_values(vec); c.team > kPipeThreads && bwd_stages() >= 2 && t <= max_values; t *= 2) {
+    pc = choose(p->cols, vec, vec_ok, t, max_values);
+    if (pc.nv && pc.team <= kPipeThreads) break;
+    pc.nv = 0;
+  }
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -694,7 +884,30 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     using S = typename decltype(ts)::type;
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
-    if (c.nv) {
+    // bwd_pipe when `stages` stages (or fewer, down to two) fit in shared memory
+    bool piped = false;
+    if (pc.nv) {
+      const size_t span = (size_t)pc.nv * V * pc.team;
+      const size_t stage = span * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0));
+      const size_t sums = want ? 2 * span * sizeof(float) : 0;
+      const size_t limit = (size_t)smem_optin(device) - sizeof(float) * kMaxTeams * 2 * 64;
+      for (int stages = bwd_stages(); stages >= 2; --stages) {
+        const size_t smem = pc.rpb * std::max(stages * stage, sums);
+        if (smem > limit) continue;
+        with_nv<V, kBwdMaxValues * V / 8>(pc.nv, [&](auto nv) {
+          auto *k = bwd_pipe<T, S, W, V, decltype(nv)::value>;
+          allow_smem(k, smem);
+          const int grid = persistent_grid(k, p->rows, pc, smem, device);
+          parts = want ? grid : 0;
+          if (launch) k<<<grid, dim3(pc.team, pc.rpb), smem, stream>>>(*p, stages);
+        });
+        piped = true;
+        break;
+      }
+    }
+    if (piped) {
+      // launched above
+    } else if (c.nv) {
       with_nv<V, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
         const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * V * c.team * sizeof(float) : 0;
