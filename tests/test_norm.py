@@ -236,14 +236,19 @@ def test_wide_rows_cuda(c):
 
 
 # Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
-# row's s, dy and ds staged through shared memory, rows ahead): every stored
+# row's s, dy and ds staged through shared memory, rows ahead; fp32 rows of
+# 4097-8192 values and every row of 16K and more split over a cluster, on
+# sm_90, as in test_wide_rows_cuda): every stored
 # dtype combination, rows fewer than the grid's teams (1, 3) and not a multiple
 # of them (333, 2001), widths whose last chunks fall past the team's slice
 # (4104, 6000), no residual gradient (ds), no weight, fp32 weight.
 PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, residual="fp32"),
               rms((3, 4104), torch.bfloat16, residual="none"), ln((1, 8192), torch.bfloat16, weight=False, bias=False),
               rms((700, 7168), torch.bfloat16, param="fp32"), ln((257, 5120), torch.float16, residual="none_fp32"),
-              ln((64, 8192), torch.float16, bias=False, param="fp32")]
+              ln((64, 8192), torch.float16, bias=False, param="fp32"), ln((100, 6000), torch.float32),
+              # bwd_regs blocks of two 384-thread teams: 48 KB of dynamic shared
+              # memory, over the 48 KB a kernel may take unasked with its static array
+              ln((5000, 3072), torch.bfloat16), rms((999, 3072), torch.float32, residual="none")]
 
 
 @requires_cuda
@@ -283,7 +288,7 @@ def test_backward_plans_cuda(env):
     import sys
     extra = dict(kv.split("=") for kv in env.split())
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "test_pipe_rows_cuda or (test_shapes and cuda)"],
+                           "-k", "test_pipe_rows or test_wide_rows or (test_shapes and cuda)"],
                           env=dict(os.environ, **extra), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{env}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

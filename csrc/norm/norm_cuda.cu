@@ -398,21 +398,35 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 // chunks, so the copies need no barrier, only the wait. dweight / dbias sums
 // stay in registers (shared memory holds the stages) until the block adds its
 // teams' sums into its partial rows.
+// CL: the row is split over the blocks of a thread-block cluster (sm_90), one
+// slice of NV * team * VEC columns a block, the row sums exchanged through
+// distributed shared memory (ClusterSum) while the next rows' loads are in
+// flight; the clusters are persistent, each walking rows, and each block
+// writes its slice of the cluster's partial rows.
 constexpr int kMaxStages = 4;  // cp_async_wait_for takes at most 3 pending groups
-// Teams of at most 512 threads (128 registers each): the stages keep the loads
-// in flight, so the team need not be large, and 1024-thread teams spill.
-constexpr int kPipeThreads = 512;
-template <class T, class S, class W, int VEC, int NV>
+// Teams of at most 512 threads (128 registers each) of 2 chunks a thread: the
+// stages keep the loads in flight, so the team need not be large, and
+// 1024-thread teams spill.
+constexpr int kPipeThreads = 512, kPipeChunks = 2;
+template <class T, class S, class W, int VEC, bool CL>
 __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_params p, int stages) {
+  constexpr int NV = kPipeChunks;
   __shared__ float red[kMaxTeams][2][64];
+  __shared__ ClusterSum<2, 2> xsum;  // with CL: the sum of g and of g * xhat
+  if (CL) {
+    xsum.init();
+    cluster_arrive();
+  }
   extern __shared__ float4 smem[];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
-  auto col = [&](int k) { return (k * team + tid) * VEC; };  // rows here are at most 16K values
-  // A team's stage: s, dy and ds (when given), `span` values each, laid out
-  // as in the row.
+  // A team's stage: s, dy and ds (when given), `span` values each; this
+  // thread's chunk k is at local(k) in it and at col(k) in the row.
   const int span = NV * VEC * team;  // 32-bit shared-memory offsets: fewer registers
+  const int64_t first_col = CL ? (int64_t)cluster_rank() * span : 0;
+  auto local = [&](int k) { return (k * team + tid) * VEC; };
+  auto col = [&](int k) { return first_col + local(k); };
   const int stage_bytes = span * (int)(sizeof(S) + sizeof(T) + (p.ds ? sizeof(S) : 0));
   char *own = reinterpret_cast<char *>(smem) + (int)threadIdx.y * stages * stage_bytes;
   auto s_at = [&](int st) { return reinterpret_cast<S *>(own + st * stage_bytes); };
@@ -420,8 +434,12 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
   auto ds_at = [&](int st) {
     return reinterpret_cast<S *>(own + st * stage_bytes + span * (int)(sizeof(S) + sizeof(T)));
   };
-  const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  // Rows: team y of block (or cluster) u takes rows u * rpb + y, stepping by
+  // the grid's teams.
+  const int64_t unit = CL ? blockIdx.x / cluster_size() : blockIdx.x;
+  const int64_t units = CL ? gridDim.x / cluster_size() : gridDim.x;
+  const int64_t row_step = units * blockDim.y;
+  const int64_t first = unit * blockDim.y + threadIdx.y;
   // Row `row`, when there is one, into stage st: one commit group either way.
   auto fetch = [&](int64_t row, int st) {
     if (row < p.rows) {
@@ -431,9 +449,9 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         if (col(k) < cols) {
-          cp_async_bytes<VEC * sizeof(S)>(s_at(st) + col(k), sp + col(k));
-          cp_async_bytes<VEC * sizeof(T)>(dy_at(st) + col(k), dyp + col(k));
-          if (dsp) cp_async_bytes<VEC * sizeof(S)>(ds_at(st) + col(k), dsp + col(k));
+          cp_async_bytes<VEC * sizeof(S)>(s_at(st) + local(k), sp + col(k));
+          cp_async_bytes<VEC * sizeof(T)>(dy_at(st) + local(k), dyp + col(k));
+          if (dsp) cp_async_bytes<VEC * sizeof(S)>(ds_at(st) + local(k), dsp + col(k));
         }
       }
     }
@@ -454,7 +472,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     mean = p.mean ? p.mean[first] : 0.f;
     rstd = p.rstd[first];
   }
-  int st = 0, parity = 0;
+  if (CL) cluster_wait();  // every block's mbarriers are ready
+  int st = 0, parity = 0, exchange = 0;
   for (int64_t row = first; row < p.rows; row += row_step) {
     fetch(row + (stages - 1) * row_step, st == 0 ? stages - 1 : st - 1);  // the stage the last row left
     const int64_t next = row + row_step;  // its statistics arrive during this row
@@ -468,8 +487,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
-        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + col(k));
-        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + col(k));
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + local(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + local(k));
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const float dy = to_f(dyv.v[i]), xh = (to_f(sv.v[i]) - mean) * rstd;
@@ -483,6 +502,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     }
     team_sum(sums, team, red[threadIdx.y][parity]);
     parity ^= 1;
+    if (CL) xsum.sum(sums, exchange++);
     const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
     const float mean_gx = sums[1] / (float)cols;
     S *dx = static_cast<S *>(p.dx) + row * cols;
@@ -490,10 +510,10 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
         // s and dy read again: registers across the reduction are what spills
-        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + col(k));
-        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + col(k));
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + local(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + local(k));
         Pack<S, VEC> dsv;
-        if (p.ds) dsv = load_pack<VEC>(ds_at(st) + col(k));
+        if (p.ds) dsv = load_pack<VEC>(ds_at(st) + local(k));
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -510,9 +530,14 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     st = st + 1 == stages ? 0 : st + 1;
   }
   cp_async_wait<0>();  // the empty groups past the last row
+  if (CL) {  // no block may exit while another may still store to it
+    cluster_arrive();
+    cluster_wait();
+  }
   if (!want_w && !want_b) return;
-  // The block's partial rows: its teams' sums, added in a fixed order, through
-  // the shared memory the stages used ([team][2][span] floats).
+  // The block's partial rows (its slice of them, with CL): its teams' sums,
+  // added in a fixed order, through the shared memory the stages used
+  // ([team][2][span] floats).
   __syncthreads();
   float *team_sums = reinterpret_cast<float *>(smem);
 #pragma unroll
@@ -520,8 +545,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     if (col(k) < cols) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        team_sums[(threadIdx.y * 2 + 0) * span + col(k) + i] = dw[k][i];
-        team_sums[(threadIdx.y * 2 + 1) * span + col(k) + i] = db[k][i];
+        team_sums[(threadIdx.y * 2 + 0) * span + local(k) + i] = dw[k][i];
+        team_sums[(threadIdx.y * 2 + 1) * span + local(k) + i] = db[k][i];
       }
     }
   }
@@ -529,8 +554,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
   const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
   for (int which = 0; which < 2; ++which) {
     if (!(which == 0 ? want_w : want_b)) continue;
-    float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
-    for (int64_t c = flat; c < cols; c += nthreads) {
+    float *out = p.partial + ((int64_t)which * p.parts + unit) * cols + first_col;
+    for (int c = flat; c < span && first_col + c < cols; c += nthreads) {
       float sum = 0.f;
       for (int t = 0; t < (int)blockDim.y; ++t) sum += team_sums[(t * 2 + which) * span + c];
       out[c] = sum;
@@ -759,26 +784,57 @@ Shape cluster_choose(Shape fallback, int64_t cols, int vec, bool vec_ok, int tar
   return c;
 }
 
-// Launches kernel(p) as 1-D clusters of `cl` blocks, `blocks` blocks in all.
-template <class K, class P>
-void launch_clusters(K *kernel, int64_t blocks, int cl, int threads, cudaStream_t stream, const P &p) {
-  if (cl > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+// A launch configuration of 1-D clusters of `cl` blocks, `blocks` blocks in all.
+struct ClusterLaunch {
   cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cl;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)blocks);
-  cfg.blockDim = dim3((unsigned)threads);
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaLaunchKernelEx(&cfg, kernel, p);
+  ClusterLaunch(int64_t blocks, int cl, int threads, size_t smem, cudaStream_t stream) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)cl;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+};
+
+// Launches kernel(args...) as 1-D clusters of `cl` blocks, `blocks` blocks in all.
+template <class K, class... A>
+void launch_clusters(K *kernel, int64_t blocks, int cl, int threads, size_t smem, cudaStream_t stream,
+                     const A &...args) {
+  if (cl > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  ClusterLaunch l(blocks, cl, threads, smem, stream);
+  cudaLaunchKernelEx(&l.cfg, kernel, args...);
 }
 
-// Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB a
-// kernel must ask first).
+// Clusters of `cl` blocks of `kernel` resident at once (at least 1; cached).
+template <class K>
+int active_clusters(K *kernel, int cl, int threads, size_t smem) {
+  struct Entry { const void *k; int cl, threads; size_t smem; int n; };
+  thread_local Entry cache[16];
+  thread_local int used = 0;
+  for (int i = 0; i < used; ++i)
+    if (cache[i].k == (const void *)kernel && cache[i].cl == cl && cache[i].threads == threads &&
+        cache[i].smem == smem)
+      return cache[i].n;
+  if (cl > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  ClusterLaunch l(cl, cl, threads, smem, nullptr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &l.cfg) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    n = 1;
+  }
+  cache[used % 16] = {(const void *)kernel, cl, threads, smem, n};
+  used = used < 16 ? used + 1 : 16;
+  return n;
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB of
+// static and dynamic shared memory a kernel must ask first).
 template <class K>
 void allow_smem(K *kernel, size_t smem) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -863,19 +919,23 @@ int bwd_stages() {
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int vec = 16 / fo_dtype_size(p->x_dtype);
-  // (No cluster plan: split over clusters, wide rows ran no faster backward
-  // than in the loop kernel; docs/perf-notes.md.)
   const bool vec_ok = bwd_vec_ok(p, vec);
   const int max_values = kBwdMaxValues * vec / 8;
   Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values);
   if (c.nv) c.rpb = std::max(1, std::min(kMaxTeams, bwd_block_target() / c.team));
-  // bwd_pipe where bwd_regs' team would be a whole multiprocessor, in the
-  // fewest values a thread that keep its team within kPipeThreads.
+  // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
+  // team's registers hold the row: teams of at most kPipeThreads threads of
+  // kPipeChunks chunks, the row split over a cluster (sm_90, at most 16
+  // blocks) when one team cannot hold it.
   Shape pc{};
-  for (int t = target_values(vec); c.team > kPipeThreads && bwd_stages() >= 2 && t <= max_values; t *= 2) {
-    pc = choose(p->cols, vec, vec_ok, t, max_values);
-    if (pc.nv && pc.team <= kPipeThreads) break;
-    pc.nv = 0;
+  if (vec_ok && bwd_stages() >= 2 && (c.nv == 0 || c.team > kPipeThreads)) {
+    const int64_t chunks = p->cols / vec, per_block = kPipeThreads * kPipeChunks;
+    const int64_t cl = (chunks + per_block - 1) / per_block;
+    if (cl == 1 || (cl <= 16 && compute_major(device) >= 9)) {
+      const int64_t slice = (chunks + cl - 1) / cl;
+      pc = Shape{vec, kPipeChunks, (int)std::max<int64_t>(32, round_up32((slice + kPipeChunks - 1) / kPipeChunks)),
+                 1, (int)cl};
+    }
   }
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
@@ -887,22 +947,28 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     // bwd_pipe when `stages` stages (or fewer, down to two) fit in shared memory
     bool piped = false;
     if (pc.nv) {
-      const size_t span = (size_t)pc.nv * V * pc.team;
+      const size_t span = (size_t)kPipeChunks * V * pc.team;
       const size_t stage = span * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0));
       const size_t sums = want ? 2 * span * sizeof(float) : 0;
-      const size_t limit = (size_t)smem_optin(device) - sizeof(float) * kMaxTeams * 2 * 64;
-      for (int stages = bwd_stages(); stages >= 2; --stages) {
-        const size_t smem = pc.rpb * std::max(stages * stage, sums);
+      const size_t limit = (size_t)smem_optin(device) - sizeof(float) * kMaxTeams * 2 * 64 - 1024;  // and ClusterSum
+      for (int stages = bwd_stages(); stages >= 2 && !piped; --stages) {
+        const size_t smem = std::max(stages * stage, sums);
         if (smem > limit) continue;
-        with_nv<V, kBwdMaxValues * V / 8>(pc.nv, [&](auto nv) {
-          auto *k = bwd_pipe<T, S, W, V, decltype(nv)::value>;
+        if (pc.cl > 1) {
+          auto *k = bwd_pipe<T, S, W, V, true>;
+          allow_smem(k, smem);
+          const int64_t units =
+              std::max<int64_t>(1, std::min<int64_t>(p->rows, active_clusters(k, pc.cl, pc.team, smem)));
+          parts = want ? units : 0;
+          if (launch) launch_clusters(k, units * pc.cl, pc.cl, pc.team, smem, stream, *p, stages);
+        } else {
+          auto *k = bwd_pipe<T, S, W, V, false>;
           allow_smem(k, smem);
           const int grid = persistent_grid(k, p->rows, pc, smem, device);
           parts = want ? grid : 0;
-          if (launch) k<<<grid, dim3(pc.team, pc.rpb), smem, stream>>>(*p, stages);
-        });
+          if (launch) k<<<grid, pc.team, smem, stream>>>(*p, stages);
+        }
         piped = true;
-        break;
       }
     }
     if (piped) {
@@ -911,7 +977,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
       with_nv<V, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
         const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * V * c.team * sizeof(float) : 0;
-        if (smem > 48 * 1024) allow_smem(k, smem);
+        allow_smem(k, smem);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
         const int grid = persistent_grid(k, p->rows, c, smem, device);
         parts = want ? grid : 0;
         if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
@@ -964,7 +1030,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       with_nv<V, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         if (c.cl > 1) {
           auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, true>;
-          launch_clusters(k, p->rows * c.cl, c.cl, c.team, st, *p);
+          launch_clusters(k, p->rows * c.cl, c.cl, c.team, 0, st, *p);
         } else {
           auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, false>;
           k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
