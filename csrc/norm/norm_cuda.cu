@@ -174,6 +174,138 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
   }
 }
 
+// The pipe kernels (fwd_pipe, bwd_pipe): persistent teams, or clusters, whose
+// rows are staged through shared memory by cp.async `stages` - 1 rows ahead,
+// so that loads stay in flight while a team reduces. A thread copies and reads
+// back only its own chunks: the copies need no barrier, only the wait.
+constexpr int kMaxStages = 4;  // cp_async_wait_for takes at most 3 pending groups
+// Teams of at most 512 threads (128 registers each) of 2 chunks a thread: the
+// stages keep the loads in flight, so the team need not be large, and
+// 1024-thread teams spill.
+constexpr int kPipeThreads = 512, kPipeChunks = 2;
+
+// fwd_regs' math on the pipe: x and residual staged; with CL the row is split
+// over a cluster (slices of kPipeChunks * team * VEC columns) and its sums go
+// through ClusterSum while the next rows load (fwd_regs' clusters take one
+// row each and have nothing in flight during an exchange).
+template <class T, class S, class W, int VEC, bool CL>
+__global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_params p, int stages) {
+  constexpr int NV = kPipeChunks;
+  __shared__ float red[2][32];
+  __shared__ ClusterSum<1, 2> xsum;  // with CL: exchanges alternate sum, squares
+  if (CL) {
+    xsum.init();
+    cluster_arrive();
+  }
+  extern __shared__ float4 smem[];
+  const int tid = threadIdx.x, team = blockDim.x;
+  const int64_t cols = p.cols;
+  const int span = NV * VEC * team;
+  const int64_t first_col = CL ? (int64_t)cluster_rank() * span : 0;
+  auto local = [&](int k) { return (k * team + tid) * VEC; };
+  auto col = [&](int k) { return first_col + local(k); };
+  const int stage_bytes = span * (int)(sizeof(T) + (p.residual ? sizeof(S) : 0));
+  auto x_at = [&](int st) { return reinterpret_cast<T *>(reinterpret_cast<char *>(smem) + st * stage_bytes); };
+  auto r_at = [&](int st) {
+    return reinterpret_cast<S *>(reinterpret_cast<char *>(smem) + st * stage_bytes + span * (int)sizeof(T));
+  };
+  const int64_t unit = CL ? blockIdx.x / cluster_size() : blockIdx.x;
+  const int64_t row_step = CL ? gridDim.x / cluster_size() : gridDim.x;
+  auto fetch = [&](int64_t row, int st) {
+    if (row < p.rows) {
+      const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
+      const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (col(k) < cols) {
+          cp_async_bytes<VEC * sizeof(T)>(x_at(st) + local(k), x + col(k));
+          if (r) cp_async_bytes<VEC * sizeof(S)>(r_at(st) + local(k), r + col(k));
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  for (int i = 0; i + 1 < stages; ++i) fetch(unit + i * row_step, i);
+  Pack<W, VEC> w[NV], b[NV];  // the same in every row
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
+    }
+  }
+  if (CL) cluster_wait();  // every block's mbarriers are ready
+  int st = 0, exchange = 0;
+  for (int64_t row = unit; row < p.rows; row += row_step) {
+    fetch(row + (stages - 1) * row_step, st == 0 ? stages - 1 : st - 1);
+    cp_async_wait_for(stages - 1);
+    float v[NV][VEC];
+    float sum[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        load_f<VEC>(x_at(st) + local(k), v[k]);
+        if (p.residual) {
+          float rv[VEC];
+          load_f<VEC>(r_at(st) + local(k), rv);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[k][i] += rv[i];
+        }
+        if (p.s) {  // s as stored: the statistics are those of the rounded stream
+          round_to<S>(v[k]);
+          store_f<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[k][i] = 0.f;
+      }
+    }
+    float mean = 0.f;
+    if (!p.rms) {
+      team_sum(sum, team, red[0]);
+      if (CL) xsum.sum(sum, exchange++);
+      mean = sum[0] / (float)cols;
+    }
+    float sq[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
+      }
+    }
+    team_sum(sq, team, red[1]);
+    if (CL) xsum.sum(sq, exchange++);
+    const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
+    T *y = static_cast<T *>(p.y) + row * cols;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          float o = (v[k][i] - mean) * rstd;
+          if (p.weight) o *= to_f(w[k].v[i]);
+          if (p.bias) o += to_f(b[k].v[i]);
+          v[k][i] = o;
+        }
+        store_f<VEC>(y + col(k), v[k]);
+      }
+    }
+    if (tid == 0 && (!CL || cluster_rank() == 0)) {
+      if (p.mean) p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+    st = st + 1 == stages ? 0 : st + 1;
+  }
+  cp_async_wait<0>();
+  if (CL) {  // no block may exit while another may still store to it
+    cluster_arrive();
+    cluster_wait();
+  }
+}
+
 // One block per row for rows too wide for registers (or not 16-byte aligned:
 // VEC = 1). The row is walked loop_unroll(VEC) vectors per thread at a time: three
 // passes for LayerNorm (sum, squared deviations, output), two for RMSNorm; s
@@ -389,13 +521,10 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
   }
 }
 
-// bwd_regs' teams and columns, with each row's s, dy and ds staged through
-// shared memory: cp.async copies rows `stages` - 1 ahead while the team works
-// on the current one, so that loads stay in flight through every reduction
-// (bwd_regs issues a row's loads after the previous row's dx; at 8192 wide
-// its 1024-thread team fills the multiprocessor, which then has no loads in
-// flight while the team reduces). A thread copies and reads back only its own
-// chunks, so the copies need no barrier, only the wait. dweight / dbias sums
+// bwd_regs' math on the pipe: s, dy and ds staged (bwd_regs issues a row's
+// loads after the previous row's dx; at 8192 wide its 1024-thread team fills
+// the multiprocessor, which then has no loads in flight while the team
+// reduces). dweight / dbias sums
 // stay in registers (shared memory holds the stages) until the block adds its
 // teams' sums into its partial rows.
 // CL: the row is split over the blocks of a thread-block cluster (sm_90), one
@@ -403,11 +532,6 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 // distributed shared memory (ClusterSum) while the next rows' loads are in
 // flight; the clusters are persistent, each walking rows, and each block
 // writes its slice of the cluster's partial rows.
-constexpr int kMaxStages = 4;  // cp_async_wait_for takes at most 3 pending groups
-// Teams of at most 512 threads (128 registers each) of 2 chunks a thread: the
-// stages keep the loads in flight, so the team need not be large, and
-// 1024-thread teams spill.
-constexpr int kPipeThreads = 512, kPipeChunks = 2;
 template <class T, class S, class W, int VEC, bool CL>
 __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_params p, int stages) {
   constexpr int NV = kPipeChunks;
@@ -904,14 +1028,59 @@ int bwd_block_target() {
   return n;
 }
 
-// Rows the backward's pipeline stages ahead, plus one: FUSEDOPS_NORM_STAGES
-// (2 to 4; 0 or 1 selects bwd_regs), for tuning.
-int bwd_stages() {
+// Rows the pipe kernels stage ahead, plus one: FUSEDOPS_NORM_STAGES (2 to 4;
+// 0 or 1 selects the kernels before them: fwd_regs' one-row clusters and
+// the loop kernels, bwd_regs), for tuning.
+int pipe_stages() {
   static const int n = [] {
     const char *e = getenv("FUSEDOPS_NORM_STAGES");
     return e ? std::min(atoi(e), kMaxStages) : 3;
   }();
   return n;
+}
+
+// The pipe kernels' shape for rows of `cols`: teams of at most kPipeThreads
+// threads of kPipeChunks chunks, the row split over a cluster (sm_90, at most
+// 16 blocks) when one team cannot hold it; nv = 0 where there is none.
+Shape pipe_shape(int64_t cols, int vec, bool vec_ok, int device) {
+  Shape pc{};
+  if (!vec_ok || pipe_stages() < 2) return pc;
+  const int64_t chunks = cols / vec, per_block = kPipeThreads * kPipeChunks;
+  const int64_t cl = (chunks + per_block - 1) / per_block;
+  if (cl > 1 && (cl > 16 || compute_major(device) < 9)) return pc;
+  const int64_t slice = (chunks + cl - 1) / cl;
+  return Shape{vec, kPipeChunks, (int)std::max<int64_t>(32, round_up32((slice + kPipeChunks - 1) / kPipeChunks)),
+               1, (int)cl};
+}
+
+// The most stages (from pipe_stages() down to 2) of `stage` bytes each that
+// fit in shared memory with `floor` bytes at least; 0 if even two do not.
+size_t pipe_smem(size_t stage, size_t floor, int device, int *stages) {
+  const size_t limit = (size_t)smem_optin(device) - 8 * 1024;  // the kernels' static arrays
+  for (*stages = pipe_stages(); *stages >= 2; --*stages) {
+    const size_t smem = std::max(*stages * stage, floor);
+    if (smem <= limit) return smem;
+  }
+  return 0;
+}
+
+// Launches pipe kernel k(p, stages) (kcl with clusters of pc.cl blocks) on a
+// persistent grid; returns its units (blocks, or clusters): each writes one
+// partial row.
+template <class KC, class KP, class P>
+int64_t pipe_launch(KC *kcl, KP *k, const Shape &pc, size_t smem, int stages, int64_t rows, int device,
+                    bool launch, cudaStream_t stream, const P &p) {
+  if (pc.cl > 1) {
+    allow_smem(kcl, smem);
+    const int64_t units =
+        std::max<int64_t>(1, std::min<int64_t>(rows, active_clusters(kcl, pc.cl, pc.team, smem)));
+    if (launch) launch_clusters(kcl, units * pc.cl, pc.cl, pc.team, smem, stream, p, stages);
+    return units;
+  }
+  allow_smem(k, smem);
+  const int grid = persistent_grid(k, rows, pc, smem, device);
+  if (launch) k<<<grid, pc.team, smem, stream>>>(p, stages);
+  return grid;
 }
 
 // The backward's plan: the dx kernel, its grid and shared memory, and the
@@ -924,19 +1093,8 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values);
   if (c.nv) c.rpb = std::max(1, std::min(kMaxTeams, bwd_block_target() / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
-  // team's registers hold the row: teams of at most kPipeThreads threads of
-  // kPipeChunks chunks, the row split over a cluster (sm_90, at most 16
-  // blocks) when one team cannot hold it.
-  Shape pc{};
-  if (vec_ok && bwd_stages() >= 2 && (c.nv == 0 || c.team > kPipeThreads)) {
-    const int64_t chunks = p->cols / vec, per_block = kPipeThreads * kPipeChunks;
-    const int64_t cl = (chunks + per_block - 1) / per_block;
-    if (cl == 1 || (cl <= 16 && compute_major(device) >= 9)) {
-      const int64_t slice = (chunks + cl - 1) / cl;
-      pc = Shape{vec, kPipeChunks, (int)std::max<int64_t>(32, round_up32((slice + kPipeChunks - 1) / kPipeChunks)),
-                 1, (int)cl};
-    }
-  }
+  // team's registers hold the row.
+  const Shape pc = c.nv == 0 || c.team > kPipeThreads ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -944,30 +1102,16 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     using S = typename decltype(ts)::type;
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
-    // bwd_pipe when `stages` stages (or fewer, down to two) fit in shared memory
     bool piped = false;
     if (pc.nv) {
       const size_t span = (size_t)kPipeChunks * V * pc.team;
-      const size_t stage = span * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0));
-      const size_t sums = want ? 2 * span * sizeof(float) : 0;
-      const size_t limit = (size_t)smem_optin(device) - sizeof(float) * kMaxTeams * 2 * 64 - 1024;  // and ClusterSum
-      for (int stages = bwd_stages(); stages >= 2 && !piped; --stages) {
-        const size_t smem = std::max(stages * stage, sums);
-        if (smem > limit) continue;
-        if (pc.cl > 1) {
-          auto *k = bwd_pipe<T, S, W, V, true>;
-          allow_smem(k, smem);
-          const int64_t units =
-              std::max<int64_t>(1, std::min<int64_t>(p->rows, active_clusters(k, pc.cl, pc.team, smem)));
-          parts = want ? units : 0;
-          if (launch) launch_clusters(k, units * pc.cl, pc.cl, pc.team, smem, stream, *p, stages);
-        } else {
-          auto *k = bwd_pipe<T, S, W, V, false>;
-          allow_smem(k, smem);
-          const int grid = persistent_grid(k, p->rows, pc, smem, device);
-          parts = want ? grid : 0;
-          if (launch) k<<<grid, pc.team, smem, stream>>>(*p, stages);
-        }
+      int stages = 0;
+      const size_t smem = pipe_smem(span * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0)),
+                                    want ? 2 * span * sizeof(float) : 0, device, &stages);
+      if (smem) {
+        const int64_t units = pipe_launch(bwd_pipe<T, S, W, V, true>, bwd_pipe<T, S, W, V, false>, pc, smem,
+                                          stages, p->rows, device, launch, stream, *p);
+        parts = want ? units : 0;
         piped = true;
       }
     }
@@ -1017,13 +1161,22 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   Shape c = cluster_choose(choose(p->cols, vec, vec_ok, target, max_values), p->cols, vec, vec_ok, target,
                            max_values, device);
   if (c.nv && (p->rows * c.cl + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
+  // fwd_pipe where fwd_regs would split rows over clusters, or the loop kernel run them.
+  const Shape pc = c.nv == 0 || c.cl > 1 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
     using S = typename decltype(ts)::type;
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
-    if (c.nv == 0) {
+    int stages = 0;
+    const size_t smem = pc.nv ? pipe_smem((size_t)kPipeChunks * V * pc.team * (sizeof(T) + (p->residual ? sizeof(S) : 0)),
+                                          0, device, &stages)
+                              : 0;
+    if (smem) {
+      pipe_launch(fwd_pipe<T, S, W, V, true>, fwd_pipe<T, S, W, V, false>, pc, smem, stages, p->rows, device, true,
+                  st, *p);
+    } else if (c.nv == 0) {
       auto *k = c.vec == 1 ? fwd_loop<T, S, W, 1> : fwd_loop<T, S, W, V>;
       k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
     } else {
