@@ -278,11 +278,12 @@ def test_pipe_rows_without_ds_cuda(rms_):
 
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
-                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256"])
+                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16"])
 def test_backward_plans_cuda(env):
     """The backward's tuning switches (read once per process, so each runs in a
-    subprocess): two and four pipeline stages, and bwd_regs with 256-thread
-    blocks (the plan before bwd_pipe), on the pipe cases and the shape cases."""
+    subprocess): two and four pipeline stages, bwd_regs with 256-thread
+    blocks (the plan before bwd_pipe), and 16 values a thread (registers that
+    cap a block at 512 threads), on the pipe, wide-row and shape cases."""
     import os
     import subprocess
     import sys

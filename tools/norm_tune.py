@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--shapes", default="16384x1024,16384x4096,8192x8192")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rms", action="store_true")
+    ap.add_argument("--no-dwdb", action="store_true",
+                    help="backward without dweight / dbias (dx only: no partial rows, no colsum)")
     ap.add_argument("--once", action="store_true",
                     help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
@@ -36,6 +38,8 @@ def main():
         return once(a, dev, dt)
     ceiling = common.copy_ceiling(dev)["GB/s"]
     tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
+    if a.no_dwdb:
+        tag += " dx-only"
     if "FUSEDOPS_NORM_CLUSTER" in os.environ:
         tag += " cluster=" + os.environ["FUSEDOPS_NORM_CLUSTER"]
     for shape in a.shapes.split(","):
@@ -56,7 +60,7 @@ def main():
 
         def bwd():
             x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
-            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
+            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, not a.no_dwdb, b is not None and not a.no_dwdb)
 
         tf, tb = common.graph_time(fwd, dev), common.graph_time(bwd, dev)
         gf, gb = 4 * n / tf / 1e9, 4 * n / tb / 1e9

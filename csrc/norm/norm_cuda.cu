@@ -1091,7 +1091,8 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const bool vec_ok = bwd_vec_ok(p, vec);
   const int max_values = kBwdMaxValues * vec / 8;
   Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values);
-  if (c.nv) c.rpb = std::max(1, std::min(kMaxTeams, bwd_block_target() / c.team));
+  if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
+    c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
   // team's registers hold the row.
   const Shape pc = c.nv == 0 || c.team > kPipeThreads ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
@@ -1162,6 +1163,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
                            max_values, device);
   if (c.nv && (p->rows * c.cl + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   // fwd_pipe where fwd_regs would split rows over clusters, or the loop kernel run them.
+  // (Everywhere else it is slower: 0.42-0.87 of the copy against 0.85-0.96; docs/perf-notes.md.)
   const Shape pc = c.nv == 0 || c.cl > 1 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
