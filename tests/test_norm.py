@@ -226,19 +226,10 @@ WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000
               ln((3, 24576), torch.bfloat16, weight=False, bias=False)]
 
 
-@requires_cuda
-@pytest.mark.parametrize("c", WIDE_CASES, ids=ids(WIDE_CASES))
-def test_wide_rows_cuda(c):
-    inp = make_inputs(c, "cuda")
-    got = forward_backward(c, inp, poison=True)
-    check_against_reference(c, inp, got)
-    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
-
-
 # Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
 # row's s, dy and ds staged through shared memory, rows ahead; fp32 rows of
 # 4097-8192 values and every row of 16K and more split over a cluster, on
-# sm_90, as in test_wide_rows_cuda): every stored
+# sm_90, as WIDE_CASES are): every stored
 # dtype combination, rows fewer than the grid's teams (1, 3) and not a multiple
 # of them (333, 2001), widths whose last chunks fall past the team's slice
 # (4104, 6000), no residual gradient (ds), no weight, fp32 weight.
@@ -252,8 +243,8 @@ PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, r
 
 
 @requires_cuda
-@pytest.mark.parametrize("c", PIPE_CASES, ids=ids(PIPE_CASES))
-def test_pipe_rows_cuda(c):
+@pytest.mark.parametrize("c", WIDE_CASES + PIPE_CASES, ids=ids(WIDE_CASES + PIPE_CASES))
+def test_wide_rows_cuda(c):
     inp = make_inputs(c, "cuda")
     got = forward_backward(c, inp, poison=True)
     check_against_reference(c, inp, got)
@@ -289,7 +280,7 @@ def test_backward_plans_cuda(env):
     import sys
     extra = dict(kv.split("=") for kv in env.split())
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "test_pipe_rows or test_wide_rows or (test_shapes and cuda)"],
+                           "-k", "test_wide_rows or test_pipe_rows or (test_shapes and cuda)"],
                           env=dict(os.environ, **extra), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{env}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

@@ -68,6 +68,48 @@ constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 
 // --- forward ------------------------------------------------------------------------------
 
+// Helpers of fwd_regs and fwd_pipe: a thread's chunks are v[k], at columns
+// [col(k), col(k) + VEC) of the row.
+// The sum of the squared deviations from `mean` of this thread's values.
+template <int NV, int VEC, class Col>
+__device__ __forceinline__ float sq_dev(const float (&v)[NV][VEC], float mean, int64_t cols, Col col) {
+  float sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) sq += (v[k][i] - mean) * (v[k][i] - mean);
+    }
+  }
+  return sq;
+}
+
+// y = (v - mean) * rstd * weight + bias (computed in v), stored into row
+// `row`; `stats`: this thread saves the row's mean and rstd.
+template <class T, class W, int NV, int VEC, class Col>
+__device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, float (&v)[NV][VEC], const Pack<W, VEC> (&w)[NV],
+                                        const Pack<W, VEC> (&b)[NV], float mean, float rstd, int64_t row, Col col,
+                                        bool stats) {
+  T *y = static_cast<T *>(p.y) + row * p.cols;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < p.cols) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        float o = (v[k][i] - mean) * rstd;
+        if (p.weight) o *= to_f(w[k].v[i]);
+        if (p.bias) o += to_f(b[k].v[i]);
+        v[k][i] = o;
+      }
+      store_f<VEC>(y + col(k), v[k]);
+    }
+  }
+  if (stats) {
+    if (p.mean) p.mean[row] = mean;
+    p.rstd[row] = rstd;
+  }
+}
+
 // CL: the row is split over the blocks of a thread-block cluster (sm_90), one
 // team (block) per slice of NV * team * VEC columns, sums exchanged through
 // distributed shared memory; rows of 16K-64K values stay in registers.
@@ -128,14 +170,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
       if (CL) xsum.sum(sum, 0);
       mean = sum[0] / (float)cols;
     }
-    float sq[1] = {0.f};
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
-      }
-    }
+    float sq[1] = {sq_dev(v, mean, cols, col)};
     team_sum(sq, team, red[threadIdx.y][1]);
     if (CL) {
       xsum.sum(sq, 1);
@@ -151,24 +186,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
         if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
       }
     }
-    T *y = static_cast<T *>(p.y) + row * cols;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          float o = (v[k][i] - mean) * rstd;
-          if (p.weight) o *= to_f(w[k].v[i]);
-          if (p.bias) o += to_f(b[k].v[i]);
-          v[k][i] = o;
-        }
-        store_f<VEC>(y + col(k), v[k]);
-      }
-    }
-    if (tid == 0 && (!CL || cluster_rank() == 0)) {
-      if (p.mean) p.mean[row] = mean;
-      p.rstd[row] = rstd;
-    }
+    write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
     // No block may exit while another may still read its shared memory.
     if (CL) cluster_wait();
   }
@@ -268,35 +286,11 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
       if (CL) xsum.sum(sum, exchange++);
       mean = sum[0] / (float)cols;
     }
-    float sq[1] = {0.f};
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
-      }
-    }
+    float sq[1] = {sq_dev(v, mean, cols, col)};
     team_sum(sq, team, red[1]);
     if (CL) xsum.sum(sq, exchange++);
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
-    T *y = static_cast<T *>(p.y) + row * cols;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          float o = (v[k][i] - mean) * rstd;
-          if (p.weight) o *= to_f(w[k].v[i]);
-          if (p.bias) o += to_f(b[k].v[i]);
-          v[k][i] = o;
-        }
-        store_f<VEC>(y + col(k), v[k]);
-      }
-    }
-    if (tid == 0 && (!CL || cluster_rank() == 0)) {
-      if (p.mean) p.mean[row] = mean;
-      p.rstd[row] = rstd;
-    }
+    write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
     st = st + 1 == stages ? 0 : st + 1;
   }
   cp_async_wait<0>();
@@ -413,6 +407,13 @@ __device__ __forceinline__ float4 add4(float4 a, const float *b) {
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds
 // (g - mean(g) first: in rows of tiny variance rstd is huge, and rstd * g
 // minus rstd * mean(g) would cancel to noise.)
+template <class T, class S, class W>
+__device__ __forceinline__ void grad_terms(T dy_v, S s_v, W w_v, bool has_w, float mean, float rstd, float &dy,
+                                           float &xh, float &g) {
+  dy = to_f(dy_v);
+  xh = (to_f(s_v) - mean) * rstd;
+  g = has_w ? dy * to_f(w_v) : dy;
+}
 
 template <class T, class S, class W, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
@@ -469,8 +470,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = 4 * q + e;
-            const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
-            const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+            float dy, xh, g;
+            grad_terms(dyv[k].v[i], sv[k].v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
             sums[0] += g;
             sums[1] += g * xh;
             dw[e] = dy * xh;
@@ -493,8 +494,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dy = to_f(dyv[k].v[i]), xh = (to_f(sv[k].v[i]) - mean) * rstd;
-          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          float dy, xh, g;
+          grad_terms(dyv[k].v[i], sv[k].v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
           o[i] = rstd * (g - mean_g - xh * mean_gx);
           if (dsp) o[i] += to_f(dsv[k].v[i]);
         }
@@ -615,8 +616,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
         const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + local(k));
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dy = to_f(dyv.v[i]), xh = (to_f(sv.v[i]) - mean) * rstd;
-          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          float dy, xh, g;
+          grad_terms(dyv.v[i], sv.v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
           sums[0] += g;
           sums[1] += g * xh;
           dw[k][i] += dy * xh;
@@ -641,8 +642,8 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dy = to_f(dyv.v[i]), xh = (to_f(sv.v[i]) - mean) * rstd;
-          const float g = p.weight ? dy * to_f(w[k].v[i]) : dy;
+          float dy, xh, g;
+          grad_terms(dyv.v[i], sv.v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
           o[i] = rstd * (g - mean_g - xh * mean_gx);
           if (p.ds) o[i] += to_f(dsv.v[i]);
         }
