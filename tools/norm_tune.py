@@ -7,7 +7,10 @@ split over a thread-block cluster) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
-Not the benchmark suite (benchmarks/): no eager or compile, no autograd."""
+--compile adds torch.compile's forward of the reference (the suite's yardstick)
+timed the same way; --fwd-only skips the backward.
+
+Not the benchmark suite (benchmarks/): no eager, no autograd."""
 import argparse
 import os
 import sys
@@ -18,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
 import fusedops  # noqa: E402,F401
+from fusedops import reference  # noqa: E402
 
 ops = torch.ops.fusedops
 
@@ -29,6 +33,8 @@ def main():
     ap.add_argument("--rms", action="store_true")
     ap.add_argument("--no-dwdb", action="store_true",
                     help="backward without dweight / dbias (dx only: no partial rows, no colsum)")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile's forward")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
     ap.add_argument("--once", action="store_true",
                     help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
@@ -62,16 +68,26 @@ def main():
             x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
             ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, not a.no_dwdb, b is not None and not a.no_dwdb)
 
-        tf, tb = common.graph_time(fwd, dev), common.graph_time(bwd, dev)
-        gf, gb = 4 * n / tf / 1e9, 4 * n / tb / 1e9
-        gfb = 8 * n / (tf + tb) / 1e9
-        print(f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: "
-              f"fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})  bwd {gb:5.0f} ({gb / ceiling:.2f})  "
-              f"fwd+bwd {gfb:5.0f} ({gfb / ceiling:.2f})  [ceiling {ceiling:.0f}]", flush=True)
+        tf = common.graph_time(fwd, dev)
+        gf = 4 * n / tf / 1e9
+        line = f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})"
+        if a.compile:
+            ref = common.compiled(lambda x, r, w, b: reference.add_norm(x, r, w, b, 1e-5, a.rms))
+
+            def cfwd():
+                x, r, w, b, *_ = sets[next(it) % len(sets)]
+                ref(x, r, w, b)
+
+            gc = 4 * n / common.graph_time(cfwd, dev) / 1e9
+            line += f"  compile {gc:5.0f} ({gc / ceiling:.2f}, ours {gf / gc:.2f}x)"
+        if not a.fwd_only:
+            tb = common.graph_time(bwd, dev)
+            gb, gfb = 4 * n / tb / 1e9, 8 * n / (tf + tb) / 1e9
+            line += f"  bwd {gb:5.0f} ({gb / ceiling:.2f})  fwd+bwd {gfb:5.0f} ({gfb / ceiling:.2f})"
+        print(line + f"  [ceiling {ceiling:.0f}]", flush=True)
 
 
 def once(a, dev, dt):
-    from fusedops import reference
     for shape in a.shapes.split(","):
         T, H = map(int, shape.split("x"))
         x, r, dy, ds = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(4))

@@ -94,11 +94,16 @@ __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
   store_pack<N>(p, pk);
 }
 
-// Round each value to what storing it as T keeps.
-template <class T, int N>
-__device__ __forceinline__ void round_to(float (&v)[N]) {
+// Stores v as T and leaves in v what was stored (the values rounded to T):
+// one conversion each way, where rounding first and converting again to
+// store converted twice.
+template <int N, class T>
+__device__ __forceinline__ void store_rounded(T *p, float (&v)[N]) {
+  Pack<T, N> pk;
 #pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = to_f(from_f<T>(v[i]));
+  for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(v[i]);
+  store_pack<N>(p, pk);
+  unpack(pk, v);
 }
 
 template <int K>
@@ -117,11 +122,15 @@ __device__ __forceinline__ void team_sync(int id, int threads) {
 
 // Sum K values over a team of `team` threads (a multiple of 32) that is row
 // threadIdx.y of the block. A team of 32 is one warp and needs no shared
-// memory; a larger team uses red[0..32*K) (its own slice) and its named
-// barrier. Every thread gets the sum, added in the same order on every
-// thread: deterministic. Callers alternate between two `red` slices on
-// successive calls, so that no thread overwrites values another still reads.
-template <int K>
+// memory; a larger team uses red[0..32*K) (its own slice) and a barrier: its
+// named barrier, or with kWholeBlock (the team is the whole block:
+// blockDim.y == 1) barrier 0. A run-time barrier id makes ptxas reserve all
+// 16 named barriers for every block, and that caps the blocks an SM holds
+// (4 on sm_90, ncu "Block Limit Barriers"); barrier 0 alone does not.
+// Every thread gets the sum, added in the same order on every thread:
+// deterministic. Callers alternate between two `red` slices on successive
+// calls, so that no thread overwrites values another still reads.
+template <bool kWholeBlock = false, int K>
 __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   warp_sum(v);
   if (team == 32) return;
@@ -129,7 +138,8 @@ __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   if ((threadIdx.x & 31) == 0)
 #pragma unroll
     for (int k = 0; k < K; ++k) red[k * 32 + warp] = v[k];
-  team_sync(threadIdx.y, team);
+  if (kWholeBlock) __syncthreads();
+  else team_sync(threadIdx.y, team);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     float s = 0.f;

@@ -4,9 +4,8 @@
  * reads dy, s, ds and writes dx (4 matrices); weight-sized terms are noise.
  *
  * Kernels
- *   fwd_regs             a team of threads per row (a warp, or up to 1024
- *                        threads for wide rows; several teams per block, each
- *                        with its own named barrier) holds the row in
+ *   fwd_regs             a team of threads per row (a warp, several to a
+ *                        block, or a block of up to 1024 threads) holds the row in
  *                        registers: every element read once and written once,
  *                        with 16-byte accesses; one row per team, no loop.
  *                        On sm_90, rows of 16K values and more are split over
@@ -56,6 +55,7 @@ constexpr int max_threads(int values, bool cluster) {
 }
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
+constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most this many threads
 // The loop kernels: at most 512 threads a block (128 registers a thread),
 // each with 16 values (four vectors of 16-bit types) in flight per step.
 constexpr int kLoopThreads = 512;
@@ -115,7 +115,7 @@ __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, float (&v)[
 // distributed shared memory; rows of 16K-64K values stay in registers.
 template <class T, class S, class W, int VEC, int NV, bool CL>
 __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_norm_fwd_params p) {
-  __shared__ float red[kMaxTeams][2][32];
+  __shared__ float red[2][32];  // a team that is not one warp is the whole block
   __shared__ ClusterSum<1, 2> xsum;  // with CL: exchange 0 the sum, 1 the squares
   if (CL) {
     xsum.init();
@@ -134,20 +134,29 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
   if (row < p.rows) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
+    // Loads only, as raw packs: with the conversions inside the guard, the
+    // compiler issued chunk k + 1's loads only after chunk k's had landed (SASS
+    // at 4 chunks a thread); guarded loads alone are all in flight at once.
+    Pack<T, VEC> xp[NV];
+    Pack<S, VEC> rp[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        xp[k] = load_pack<VEC>(x + col(k));
+        if (r) rp[k] = load_pack<VEC>(r + col(k));
+      }
+    }
     float v[NV][VEC];
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {  // loads only
+    for (int k = 0; k < NV; ++k) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[k][i] = 0.f;
       if (col(k) < cols) {
-        load_f<VEC>(x + col(k), v[k]);
+        unpack(xp[k], v[k]);
         if (r) {
-          float rv[VEC];
-          load_f<VEC>(r + col(k), rv);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) v[k][i] += rv[i];
+          for (int i = 0; i < VEC; ++i) v[k][i] += to_f(rp[k].v[i]);
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[k][i] = 0.f;
       }
     }
     // s as stored: the statistics are those of the rounded stream
@@ -156,8 +165,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
         if (p.s) {
-          round_to<S>(v[k]);
-          store_f<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
+          store_rounded<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
         }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
@@ -166,18 +174,20 @@ __global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_n
     float mean = 0.f;
     if (CL) cluster_wait();  // every block's mbarriers are ready
     if (!p.rms) {
-      team_sum(sum, team, red[threadIdx.y][0]);
+      team_sum<true>(sum, team, red[0]);
       if (CL) xsum.sum(sum, 0);
       mean = sum[0] / (float)cols;
     }
     float sq[1] = {sq_dev(v, mean, cols, col)};
-    team_sum(sq, team, red[threadIdx.y][1]);
+    team_sum<true>(sq, team, red[1]);
     if (CL) {
       xsum.sum(sq, 1);
       cluster_arrive();  // the wait is before exit
     }
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
-    // weight and bias (L1/L2 hits after the first rows), loaded before any y store
+    // weight and bias (L1/L2 hits after the first rows), loaded before any y
+    // store; loaded with x they cost registers and measured slower (0.86
+    // against 0.91 at 16384x1024).
     Pack<W, VEC> w[NV], b[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -270,8 +280,7 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
           for (int i = 0; i < VEC; ++i) v[k][i] += rv[i];
         }
         if (p.s) {  // s as stored: the statistics are those of the rounded stream
-          round_to<S>(v[k]);
-          store_f<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
+          store_rounded<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
         }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
@@ -282,12 +291,12 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
     }
     float mean = 0.f;
     if (!p.rms) {
-      team_sum(sum, team, red[0]);
+      team_sum<true>(sum, team, red[0]);
       if (CL) xsum.sum(sum, exchange++);
       mean = sum[0] / (float)cols;
     }
     float sq[1] = {sq_dev(v, mean, cols, col)};
-    team_sum(sq, team, red[1]);
+    team_sum<true>(sq, team, red[1]);
     if (CL) xsum.sum(sq, exchange++);
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
     write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
@@ -336,8 +345,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
         const int64_t c = c0 + u * step;
         if (c < cols) {
           if (s) {
-            round_to<S>(v[u]);
-            store_f<VEC>(s + c, v[u]);
+            store_rounded<VEC>(s + c, v[u]);
           }
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? v[u][i] * v[u][i] : v[u][i];
@@ -345,7 +353,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
       }
     }
     float mean = 0.f, var;
-    team_sum(acc, team, red[parity]);
+    team_sum<true>(acc, team, red[parity]);
     parity ^= 1;
     if (p.rms) {
       var = acc[0] / (float)cols;
@@ -359,7 +367,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sq[0] += (v[i] - mean) * (v[i] - mean);
       }
-      team_sum(sq, team, red[parity]);
+      team_sum<true>(sq, team, red[parity]);
       parity ^= 1;
       var = sq[0] / (float)cols;
     }
@@ -722,7 +730,7 @@ __global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_param
         }
       }
     }
-    team_sum(sums, team, red[parity]);
+    team_sum<true>(sums, team, red[parity]);
     parity ^= 1;
     const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
     const float mean_gx = sums[1] / (float)cols;
@@ -860,7 +868,9 @@ Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values) {
     if (team <= max_threads(nv * vec)) {
       c.team = (int)team;
       c.nv = nv;
-      c.rpb = std::max(1, std::min(kMaxTeams, kBlockTarget / c.team));
+      // The forward's blocks: one team, or warps (which need no barrier)
+      // kBlockTarget threads' worth; the backward sets its own.
+      c.rpb = c.team == 32 ? kBlockTarget / 32 : 1;
       return c;
     }
   }
@@ -1160,8 +1170,13 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   const int vec = 16 / fo_dtype_size(p->x_dtype);
   const bool vec_ok = fwd_vec_ok(p, vec);
   const int target = target_values(16 * vec / 8), max_values = kFwdMaxValues * vec / 8;
-  Shape c = cluster_choose(choose(p->cols, vec, vec_ok, target, max_values), p->cols, vec, vec_ok, target,
-                           max_values, device);
+  // 8 values a thread (one chunk of 16-bit x: 38 registers, 75 % occupancy)
+  // where that team has at most 512 threads, else 16 (64 registers, 50 %):
+  // 0.92 of the copy against 0.90-0.91 at 256-2048 wide, 0.91 against 0.88 at
+  // 4096; 1024-thread teams measured 0.69 against 0.86 at 8192.
+  Shape c = choose(p->cols, vec, vec_ok, target_values(8), max_values);
+  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec_ok, target, max_values);
+  c = cluster_choose(c, p->cols, vec, vec_ok, target, max_values, device);
   if (c.nv && (p->rows * c.cl + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   // fwd_pipe where fwd_regs would split rows over clusters, or the loop kernel run them.
   // (Everywhere else it is slower: 0.42-0.87 of the copy against 0.85-0.96; docs/perf-notes.md.)
