@@ -212,6 +212,22 @@ constexpr int kMaxStages = 4;  // cp_async_wait_for takes at most 3 pending grou
 // 1024-thread teams spill.
 constexpr int kPipeThreads = 512, kPipeChunks = 2;
 
+// Where a pipe kernel's thread works. A block is one team; with CL the row is
+// split over the cluster, one slice of `span` values a block. The thread's
+// chunk k is at local(k) in a stage (32-bit: fewer registers) and at col(k)
+// in the row; its unit (block, or cluster) takes rows unit, unit + units, ...
+template <int NV, int VEC, bool CL>
+struct PipePlace {
+  int tid = threadIdx.x, team = blockDim.x, span = NV * VEC * team;
+  int64_t first_col = CL ? (int64_t)cluster_rank() * span : 0;
+  int64_t unit = CL ? blockIdx.x / cluster_size() : blockIdx.x;
+  int64_t units = CL ? gridDim.x / cluster_size() : gridDim.x;
+  __device__ int local(int k) const { return (k * team + tid) * VEC; }
+  __device__ int64_t col(int k) const { return first_col + local(k); }
+  // The stage after st, of `stages`.
+  __device__ static int next(int st, int stages) { return st + 1 == stages ? 0 : st + 1; }
+};
+
 // fwd_regs' math on the pipe: x and residual staged; with CL the row is split
 // over a cluster (slices of kPipeChunks * team * VEC columns) and its sums go
 // through ClusterSum while the next rows load (fwd_regs' clusters take one
@@ -226,19 +242,17 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
     cluster_arrive();
   }
   extern __shared__ float4 smem[];
-  const int tid = threadIdx.x, team = blockDim.x;
+  const PipePlace<NV, VEC, CL> at;
+  const int tid = at.tid, team = at.team, span = at.span;
   const int64_t cols = p.cols;
-  const int span = NV * VEC * team;
-  const int64_t first_col = CL ? (int64_t)cluster_rank() * span : 0;
-  auto local = [&](int k) { return (k * team + tid) * VEC; };
-  auto col = [&](int k) { return first_col + local(k); };
+  auto local = [&](int k) { return at.local(k); };
+  auto col = [&](int k) { return at.col(k); };
   const int stage_bytes = span * (int)(sizeof(T) + (p.residual ? sizeof(S) : 0));
   auto x_at = [&](int st) { return reinterpret_cast<T *>(reinterpret_cast<char *>(smem) + st * stage_bytes); };
   auto r_at = [&](int st) {
     return reinterpret_cast<S *>(reinterpret_cast<char *>(smem) + st * stage_bytes + span * (int)sizeof(T));
   };
-  const int64_t unit = CL ? blockIdx.x / cluster_size() : blockIdx.x;
-  const int64_t row_step = CL ? gridDim.x / cluster_size() : gridDim.x;
+  const int64_t unit = at.unit, row_step = at.units;
   auto fetch = [&](int64_t row, int st) {
     if (row < p.rows) {
       const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
@@ -300,7 +314,7 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
     if (CL) xsum.sum(sq, exchange++);
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
     write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
-    st = st + 1 == stages ? 0 : st + 1;
+    st = at.next(st, stages);
   }
   cp_async_wait<0>();
   if (CL) {  // no block may exit while another may still store to it
@@ -533,9 +547,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 // bwd_regs' math on the pipe: s, dy and ds staged (bwd_regs issues a row's
 // loads after the previous row's dx; at 8192 wide its 1024-thread team fills
 // the multiprocessor, which then has no loads in flight while the team
-// reduces). dweight / dbias sums
-// stay in registers (shared memory holds the stages) until the block adds its
-// teams' sums into its partial rows.
+// reduces). A block is one team; its dweight / dbias sums stay in registers
+// (shared memory holds the stages) and are its partial rows.
 // CL: the row is split over the blocks of a thread-block cluster (sm_90), one
 // slice of NV * team * VEC columns a block, the row sums exchanged through
 // distributed shared memory (ClusterSum) while the next rows' loads are in
@@ -544,35 +557,28 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 template <class T, class S, class W, int VEC, bool CL>
 __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_params p, int stages) {
   constexpr int NV = kPipeChunks;
-  __shared__ float red[kMaxTeams][2][64];
+  __shared__ float red[2][64];
   __shared__ ClusterSum<2, 2> xsum;  // with CL: the sum of g and of g * xhat
   if (CL) {
     xsum.init();
     cluster_arrive();
   }
   extern __shared__ float4 smem[];
-  const int tid = threadIdx.x, team = blockDim.x;
+  const PipePlace<NV, VEC, CL> at;
+  const int tid = at.tid, team = at.team, span = at.span;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
-  // A team's stage: s, dy and ds (when given), `span` values each; this
-  // thread's chunk k is at local(k) in it and at col(k) in the row.
-  const int span = NV * VEC * team;  // 32-bit shared-memory offsets: fewer registers
-  const int64_t first_col = CL ? (int64_t)cluster_rank() * span : 0;
-  auto local = [&](int k) { return (k * team + tid) * VEC; };
-  auto col = [&](int k) { return first_col + local(k); };
+  auto local = [&](int k) { return at.local(k); };
+  auto col = [&](int k) { return at.col(k); };
+  // A stage: s, dy and ds (when given), `span` values each.
   const int stage_bytes = span * (int)(sizeof(S) + sizeof(T) + (p.ds ? sizeof(S) : 0));
-  char *own = reinterpret_cast<char *>(smem) + (int)threadIdx.y * stages * stage_bytes;
+  char *const own = reinterpret_cast<char *>(smem);
   auto s_at = [&](int st) { return reinterpret_cast<S *>(own + st * stage_bytes); };
   auto dy_at = [&](int st) { return reinterpret_cast<T *>(own + st * stage_bytes + span * (int)sizeof(S)); };
   auto ds_at = [&](int st) {
     return reinterpret_cast<S *>(own + st * stage_bytes + span * (int)(sizeof(S) + sizeof(T)));
   };
-  // Rows: team y of block (or cluster) u takes rows u * rpb + y, stepping by
-  // the grid's teams.
-  const int64_t unit = CL ? blockIdx.x / cluster_size() : blockIdx.x;
-  const int64_t units = CL ? gridDim.x / cluster_size() : gridDim.x;
-  const int64_t row_step = units * blockDim.y;
-  const int64_t first = unit * blockDim.y + threadIdx.y;
+  const int64_t unit = at.unit, row_step = at.units, first = unit;
   // Row `row`, when there is one, into stage st: one commit group either way.
   auto fetch = [&](int64_t row, int st) {
     if (row < p.rows) {
@@ -633,7 +639,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
         }
       }
     }
-    team_sum(sums, team, red[threadIdx.y][parity]);
+    team_sum<true>(sums, team, red[parity]);
     parity ^= 1;
     if (CL) xsum.sum(sums, exchange++);
     const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
@@ -660,7 +666,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     }
     mean = next_mean;
     rstd = next_rstd;
-    st = st + 1 == stages ? 0 : st + 1;
+    st = at.next(st, stages);
   }
   cp_async_wait<0>();  // the empty groups past the last row
   if (CL) {  // no block may exit while another may still store to it
@@ -668,31 +674,14 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     cluster_wait();
   }
   if (!want_w && !want_b) return;
-  // The block's partial rows (its slice of them, with CL): its teams' sums,
-  // added in a fixed order, through the shared memory the stages used
-  // ([team][2][span] floats).
-  __syncthreads();
-  float *team_sums = reinterpret_cast<float *>(smem);
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (col(k) < cols) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        team_sums[(threadIdx.y * 2 + 0) * span + local(k) + i] = dw[k][i];
-        team_sums[(threadIdx.y * 2 + 1) * span + local(k) + i] = db[k][i];
-      }
-    }
-  }
-  __syncthreads();
-  const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
+  // The block's partial rows (its slice of them, with CL): a block is one
+  // team, so they are its threads' sums as they stand.
   for (int which = 0; which < 2; ++which) {
     if (!(which == 0 ? want_w : want_b)) continue;
-    float *out = p.partial + ((int64_t)which * p.parts + unit) * cols + first_col;
-    for (int c = flat; c < span && first_col + c < cols; c += nthreads) {
-      float sum = 0.f;
-      for (int t = 0; t < (int)blockDim.y; ++t) sum += team_sums[(t * 2 + which) * span + c];
-      out[c] = sum;
-    }
+    float *out = p.partial + ((int64_t)which * p.parts + unit) * cols;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if (col(k) < cols) store_f<VEC>(out + col(k), which == 0 ? dw[k] : db[k]);
   }
 }
 
@@ -968,11 +957,25 @@ int active_clusters(K *kernel, int cl, int threads, size_t smem) {
   return n;
 }
 
-// Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB of
-// static and dynamic shared memory a kernel must ask first).
+// Lets `kernel` take `smem` bytes of dynamic shared memory on `device` (past
+// 48 KB of static and dynamic shared memory a kernel must ask first). The
+// most granted is remembered per kernel and device: on the hot path a call
+// is a look-up.
 template <class K>
-void allow_smem(K *kernel, size_t smem) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+void allow_smem(K *kernel, size_t smem, int device) {
+  struct Entry { const void *k; int device; size_t smem; };
+  thread_local Entry cache[32];
+  thread_local int used = 0;
+  Entry *e = nullptr;
+  for (int i = 0; i < used && !e; ++i)
+    if (cache[i].k == (const void *)kernel && cache[i].device == device) e = &cache[i];
+  if (e && e->smem >= smem) return;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return;
+  if (!e) {
+    e = &cache[used % 32];
+    used = used < 32 ? used + 1 : 32;
+  }
+  *e = {(const void *)kernel, device, smem};
 }
 
 // Persistent grid: as many blocks as are resident at once, at most one per row group.
@@ -1065,13 +1068,11 @@ Shape pipe_shape(int64_t cols, int vec, bool vec_ok, int device) {
 }
 
 // The most stages (from pipe_stages() down to 2) of `stage` bytes each that
-// fit in shared memory with `floor` bytes at least; 0 if even two do not.
-size_t pipe_smem(size_t stage, size_t floor, int device, int *stages) {
+// fit in shared memory; their bytes, or 0 if even two do not fit.
+size_t pipe_smem(size_t stage, int device, int *stages) {
   const size_t limit = (size_t)smem_optin(device) - 8 * 1024;  // the kernels' static arrays
-  for (*stages = pipe_stages(); *stages >= 2; --*stages) {
-    const size_t smem = std::max(*stages * stage, floor);
-    if (smem <= limit) return smem;
-  }
+  for (*stages = pipe_stages(); *stages >= 2; --*stages)
+    if (*stages * stage <= limit) return *stages * stage;
   return 0;
 }
 
@@ -1082,13 +1083,13 @@ template <class KC, class KP, class P>
 int64_t pipe_launch(KC *kcl, KP *k, const Shape &pc, size_t smem, int stages, int64_t rows, int device,
                     bool launch, cudaStream_t stream, const P &p) {
   if (pc.cl > 1) {
-    allow_smem(kcl, smem);
+    allow_smem(kcl, smem, device);
     const int64_t units =
         std::max<int64_t>(1, std::min<int64_t>(rows, active_clusters(kcl, pc.cl, pc.team, smem)));
     if (launch) launch_clusters(kcl, units * pc.cl, pc.cl, pc.team, smem, stream, p, stages);
     return units;
   }
-  allow_smem(k, smem);
+  allow_smem(k, smem, device);
   const int grid = persistent_grid(k, rows, pc, smem, device);
   if (launch) k<<<grid, pc.team, smem, stream>>>(p, stages);
   return grid;
@@ -1114,26 +1115,19 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     using S = typename decltype(ts)::type;
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
-    bool piped = false;
-    if (pc.nv) {
-      const size_t span = (size_t)kPipeChunks * V * pc.team;
-      int stages = 0;
-      const size_t smem = pipe_smem(span * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0)),
-                                    want ? 2 * span * sizeof(float) : 0, device, &stages);
-      if (smem) {
-        const int64_t units = pipe_launch(bwd_pipe<T, S, W, V, true>, bwd_pipe<T, S, W, V, false>, pc, smem,
-                                          stages, p->rows, device, launch, stream, *p);
-        parts = want ? units : 0;
-        piped = true;
-      }
-    }
-    if (piped) {
-      // launched above
+    int stages = 0;
+    const size_t smem = pc.nv ? pipe_smem((size_t)kPipeChunks * V * pc.team * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0)),
+                                          device, &stages)
+                              : 0;
+    if (smem) {
+      const int64_t units = pipe_launch(bwd_pipe<T, S, W, V, true>, bwd_pipe<T, S, W, V, false>, pc, smem, stages,
+                                        p->rows, device, launch, stream, *p);
+      parts = want ? units : 0;
     } else if (c.nv) {
       with_nv<V, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
         auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
         const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * V * c.team * sizeof(float) : 0;
-        allow_smem(k, smem);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
+        allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
         const int grid = persistent_grid(k, p->rows, c, smem, device);
         parts = want ? grid : 0;
         if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
@@ -1189,7 +1183,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     constexpr int V = 16 / sizeof(T);
     int stages = 0;
     const size_t smem = pc.nv ? pipe_smem((size_t)kPipeChunks * V * pc.team * (sizeof(T) + (p->residual ? sizeof(S) : 0)),
-                                          0, device, &stages)
+                                          device, &stages)
                               : 0;
     if (smem) {
       pipe_launch(fwd_pipe<T, S, W, V, true>, fwd_pipe<T, S, W, V, false>, pc, smem, stages, p->rows, device, true,
