@@ -224,8 +224,9 @@ struct PipePlace {
   int64_t units = CL ? gridDim.x / cluster_size() : gridDim.x;
   __device__ int local(int k) const { return (k * team + tid) * VEC; }
   __device__ int64_t col(int k) const { return first_col + local(k); }
-  // The stage after st, of `stages`.
+  // The stage after st, and the one before it (which the last row left), of `stages`.
   __device__ static int next(int st, int stages) { return st + 1 == stages ? 0 : st + 1; }
+  __device__ static int prev(int st, int stages) { return st == 0 ? stages - 1 : st - 1; }
 };
 
 // fwd_regs' math on the pipe: x and residual staged; with CL the row is split
@@ -245,8 +246,7 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
   const PipePlace<NV, VEC, CL> at;
   const int tid = at.tid, team = at.team, span = at.span;
   const int64_t cols = p.cols;
-  auto local = [&](int k) { return at.local(k); };
-  auto col = [&](int k) { return at.col(k); };
+  auto col = [&](int k) { return at.col(k); };  // for sq_dev and write_y
   const int stage_bytes = span * (int)(sizeof(T) + (p.residual ? sizeof(S) : 0));
   auto x_at = [&](int st) { return reinterpret_cast<T *>(reinterpret_cast<char *>(smem) + st * stage_bytes); };
   auto r_at = [&](int st) {
@@ -260,8 +260,8 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         if (col(k) < cols) {
-          cp_async_bytes<VEC * sizeof(T)>(x_at(st) + local(k), x + col(k));
-          if (r) cp_async_bytes<VEC * sizeof(S)>(r_at(st) + local(k), r + col(k));
+          cp_async_bytes<VEC * sizeof(T)>(x_at(st) + at.local(k), x + col(k));
+          if (r) cp_async_bytes<VEC * sizeof(S)>(r_at(st) + at.local(k), r + col(k));
         }
       }
     }
@@ -279,17 +279,17 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
   if (CL) cluster_wait();  // every block's mbarriers are ready
   int st = 0, exchange = 0;
   for (int64_t row = unit; row < p.rows; row += row_step) {
-    fetch(row + (stages - 1) * row_step, st == 0 ? stages - 1 : st - 1);
+    fetch(row + (stages - 1) * row_step, at.prev(st, stages));
     cp_async_wait_for(stages - 1);
     float v[NV][VEC];
     float sum[1] = {0.f};
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
-        load_f<VEC>(x_at(st) + local(k), v[k]);
+        load_f<VEC>(x_at(st) + at.local(k), v[k]);
         if (p.residual) {
           float rv[VEC];
-          load_f<VEC>(r_at(st) + local(k), rv);
+          load_f<VEC>(r_at(st) + at.local(k), rv);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) v[k][i] += rv[i];
         }
@@ -568,8 +568,6 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
   const int tid = at.tid, team = at.team, span = at.span;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
-  auto local = [&](int k) { return at.local(k); };
-  auto col = [&](int k) { return at.col(k); };
   // A stage: s, dy and ds (when given), `span` values each.
   const int stage_bytes = span * (int)(sizeof(S) + sizeof(T) + (p.ds ? sizeof(S) : 0));
   char *const own = reinterpret_cast<char *>(smem);
@@ -578,7 +576,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
   auto ds_at = [&](int st) {
     return reinterpret_cast<S *>(own + st * stage_bytes + span * (int)(sizeof(S) + sizeof(T)));
   };
-  const int64_t unit = at.unit, row_step = at.units, first = unit;
+  const int64_t unit = at.unit, row_step = at.units;
   // Row `row`, when there is one, into stage st: one commit group either way.
   auto fetch = [&](int64_t row, int st) {
     if (row < p.rows) {
@@ -587,34 +585,34 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
       const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
-        if (col(k) < cols) {
-          cp_async_bytes<VEC * sizeof(S)>(s_at(st) + local(k), sp + col(k));
-          cp_async_bytes<VEC * sizeof(T)>(dy_at(st) + local(k), dyp + col(k));
-          if (dsp) cp_async_bytes<VEC * sizeof(S)>(ds_at(st) + local(k), dsp + col(k));
+        if (at.col(k) < cols) {
+          cp_async_bytes<VEC * sizeof(S)>(s_at(st) + at.local(k), sp + at.col(k));
+          cp_async_bytes<VEC * sizeof(T)>(dy_at(st) + at.local(k), dyp + at.col(k));
+          if (dsp) cp_async_bytes<VEC * sizeof(S)>(ds_at(st) + at.local(k), dsp + at.col(k));
         }
       }
     }
     cp_async_commit();
   };
-  for (int i = 0; i + 1 < stages; ++i) fetch(first + i * row_step, i);
+  for (int i = 0; i + 1 < stages; ++i) fetch(unit + i * row_step, i);
 
   Pack<W, VEC> w[NV];  // the same in every row
   float dw[NV][VEC], db[NV][VEC];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    if (p.weight && col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+    if (p.weight && at.col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + at.col(k));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) dw[k][i] = db[k][i] = 0.f;
   }
   float mean = 0.f, rstd = 0.f;
-  if (first < p.rows) {
-    mean = p.mean ? p.mean[first] : 0.f;
-    rstd = p.rstd[first];
+  if (unit < p.rows) {
+    mean = p.mean ? p.mean[unit] : 0.f;
+    rstd = p.rstd[unit];
   }
   if (CL) cluster_wait();  // every block's mbarriers are ready
   int st = 0, parity = 0, exchange = 0;
-  for (int64_t row = first; row < p.rows; row += row_step) {
-    fetch(row + (stages - 1) * row_step, st == 0 ? stages - 1 : st - 1);  // the stage the last row left
+  for (int64_t row = unit; row < p.rows; row += row_step) {
+    fetch(row + (stages - 1) * row_step, at.prev(st, stages));
     const int64_t next = row + row_step;  // its statistics arrive during this row
     float next_mean = 0.f, next_rstd = 0.f;
     if (next < p.rows) {
@@ -625,9 +623,9 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + local(k));
-        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + local(k));
+      if (at.col(k) < cols) {
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + at.local(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + at.local(k));
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float dy, xh, g;
@@ -647,12 +645,12 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     S *dx = static_cast<S *>(p.dx) + row * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
+      if (at.col(k) < cols) {
         // s and dy read again: registers across the reduction are what spills
-        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + local(k));
-        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + local(k));
+        const Pack<S, VEC> sv = load_pack<VEC>(s_at(st) + at.local(k));
+        const Pack<T, VEC> dyv = load_pack<VEC>(dy_at(st) + at.local(k));
         Pack<S, VEC> dsv;
-        if (p.ds) dsv = load_pack<VEC>(ds_at(st) + local(k));
+        if (p.ds) dsv = load_pack<VEC>(ds_at(st) + at.local(k));
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -661,7 +659,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
           o[i] = rstd * (g - mean_g - xh * mean_gx);
           if (p.ds) o[i] += to_f(dsv.v[i]);
         }
-        store_f<VEC>(dx + col(k), o);
+        store_f<VEC>(dx + at.col(k), o);
       }
     }
     mean = next_mean;
@@ -681,7 +679,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
     float *out = p.partial + ((int64_t)which * p.parts + unit) * cols;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
-      if (col(k) < cols) store_f<VEC>(out + col(k), which == 0 ? dw[k] : db[k]);
+      if (at.col(k) < cols) store_f<VEC>(out + at.col(k), which == 0 ? dw[k] : db[k]);
   }
 }
 
