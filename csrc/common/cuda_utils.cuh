@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "fo_types.h"
 
 namespace fo {
@@ -45,6 +47,37 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
   return pk;
 }
 
+// A pack's bytes as 32-bit words (packs of 16 bytes or more), loaded and
+// kept untouched until pack() is asked for. Loads of 16-bit Packs in a guard
+// get split into halves (PRMT) inside it, and so wait there for the data: the
+// next chunk's loads issued only after this chunk's had landed (SASS).
+template <class T, int N>
+struct Raw {
+  static_assert(sizeof(T) * N % 16 == 0, "Raw holds whole 16-byte pieces");
+  uint4 q[sizeof(T) * N / 16];
+  __device__ __forceinline__ Pack<T, N> pack() const {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) reinterpret_cast<uint4 *>(&pk)[j] = q[j];
+    return pk;
+  }
+};
+template <int N, class T>
+__device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
+  Raw<T, N> r;
+#pragma unroll
+  for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = reinterpret_cast<const uint4 *>(p)[j];
+  return r;
+}
+// load_raw by the read-only (non-coherent) path, as load_pack_ldg.
+template <int N, class T>
+__device__ __forceinline__ Raw<T, N> load_raw_ldg(const T *p) {
+  Raw<T, N> r;
+#pragma unroll
+  for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
+  return r;
+}
+
 // Read-only (non-coherent) path: weight and bias, never written by the kernel.
 template <int N, class T>
 __device__ __forceinline__ Pack<T, N> load_pack_ldg(const T *p) {
@@ -70,10 +103,23 @@ __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
   }
 }
 
+// Value i of a pack as fp32. bf16 pairs are read as 32-bit words: the low
+// value shifted up, the high one masked (one instruction each; a bf16
+// element took an extract and a shift).
+template <class T, int N>
+__device__ __forceinline__ float pack_value(const Pack<T, N> &pk, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    const uint32_t w = reinterpret_cast<const uint32_t *>(&pk)[i / 2];
+    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+  } else {
+    return to_f(pk.v[i]);
+  }
+}
+
 template <int N, class T>
 __device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
+  for (int i = 0; i < N; ++i) out[i] = pack_value(pk, i);
 }
 
 template <int N, class T>
@@ -86,12 +132,28 @@ __device__ __forceinline__ void load_f_ldg(const T *p, float (&out)[N]) {
   unpack(load_pack_ldg<N>(p), out);
 }
 
+// v rounded to T. 16-bit types convert two values an instruction
+// (F2FP.PACK_AB), where one at a time took a conversion each and a PRMT a pair.
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> to_pack(const float (&v)[N]) {
+  Pack<T, N> pk;
+  if constexpr (N % 2 == 0 && std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2)
+      reinterpret_cast<__nv_bfloat162 *>(&pk)[i / 2] = __floats2bfloat162_rn(v[i], v[i + 1]);
+  } else if constexpr (N % 2 == 0 && std::is_same_v<T, __half>) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) reinterpret_cast<__half2 *>(&pk)[i / 2] = __floats2half2_rn(v[i], v[i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(v[i]);
+  }
+  return pk;
+}
+
 template <int N, class T>
 __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(in[i]);
-  store_pack<N>(p, pk);
+  store_pack<N>(p, to_pack<T>(in));
 }
 
 // Stores v as T and leaves in v what was stored (the values rounded to T):
@@ -99,9 +161,7 @@ __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
 // store converted twice.
 template <int N, class T>
 __device__ __forceinline__ void store_rounded(T *p, float (&v)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(v[i]);
+  const Pack<T, N> pk = to_pack<T>(v);
   store_pack<N>(p, pk);
   unpack(pk, v);
 }
@@ -134,18 +194,23 @@ template <bool kWholeBlock = false, int K>
 __device__ __forceinline__ void team_sum(float (&v)[K], int team, float *red) {
   warp_sum(v);
   if (team == 32) return;
-  const int warp = threadIdx.x >> 5, nwarps = team >> 5;
-  if ((threadIdx.x & 31) == 0)
+  const int lane = threadIdx.x & 31, nwarps = team >> 5;
+  if (lane == 0)
 #pragma unroll
-    for (int k = 0; k < K; ++k) red[k * 32 + warp] = v[k];
+    for (int k = 0; k < K; ++k) red[k * 32 + (threadIdx.x >> 5)] = v[k];
   if (kWholeBlock) __syncthreads();
   else team_sync(threadIdx.y, team);
+  // Each group of `lanes` lanes (nwarps rounded up to a power of two) reads
+  // the warps' sums and adds them by an xor butterfly: one shared-memory
+  // read a value, where a loop over the warps' sums took nwarps.
+  const int lanes = 1 << (32 - __clz(nwarps - 1)), w = lane & (lanes - 1);
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    float s = 0.f;
-    for (int w = 0; w < nwarps; ++w) s += red[k * 32 + w];
-    v[k] = s;
-  }
+  for (int k = 0; k < K; ++k) v[k] = w < nwarps ? red[k * 32 + w] : 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    if (off < lanes)
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
 }
 
 // --- shared-memory addresses and mbarriers ------------------------------------------------

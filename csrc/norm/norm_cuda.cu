@@ -6,11 +6,14 @@
  * Kernels
  *   fwd_regs             a team of threads per row (a warp, several to a
  *                        block, or a block of up to 1024 threads) holds the row in
- *                        registers: every element read once and written once,
- *                        with 16-byte accesses; one row per team, no loop.
- *                        On sm_90, rows of 16K values and more are split over
- *                        the blocks of a thread-block cluster, which exchange
- *                        their sums through distributed shared memory.
+ *                        registers (as s is stored): every element read once and
+ *                        written once, with 16-byte accesses; one row per team,
+ *                        no loop.
+ *   fwd_pipe             rows too wide for fwd_regs (past 16K values of 16-bit
+ *                        x) on sm_90: persistent clusters whose blocks each take
+ *                        a slice of the row, staged through shared memory rows
+ *                        ahead, the row sums exchanged through distributed
+ *                        shared memory.
  *   bwd_regs             the same teams on a persistent grid (sized by the
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
@@ -47,12 +50,6 @@ using namespace fo;
 // that for fp32 x, whose chunks are half as wide.
 constexpr int kFwdMaxValues = 32, kBwdMaxValues = 16;
 constexpr int max_threads(int values) { return values <= 8 ? 1024 : 512; }
-// Cluster kernels (a row split over blocks) take at most 512 threads a block:
-// the cluster exchange costs registers the 1024-thread cap (64) lacks.
-constexpr int kClusterMaxThreads = 512;
-constexpr int max_threads(int values, bool cluster) {
-  return cluster ? std::min(kClusterMaxThreads, max_threads(values)) : max_threads(values);
-}
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most this many threads
@@ -69,39 +66,45 @@ constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 // --- forward ------------------------------------------------------------------------------
 
 // Helpers of fwd_regs and fwd_pipe: a thread's chunks are v[k], at columns
-// [col(k), col(k) + VEC) of the row.
+// [col(k), col(k) + VEC) of the row, held as fp32 values (fwd_pipe) or as
+// packs of s as stored (fwd_regs); value(v[k], i) reads either.
+template <int N>
+__device__ __forceinline__ float value(const float (&a)[N], int i) { return a[i]; }
+template <class S, int N>
+__device__ __forceinline__ float value(const Pack<S, N> &a, int i) { return pack_value(a, i); }
+
 // The sum of the squared deviations from `mean` of this thread's values.
-template <int NV, int VEC, class Col>
-__device__ __forceinline__ float sq_dev(const float (&v)[NV][VEC], float mean, int64_t cols, Col col) {
+template <int VEC, int NV, class E, class Col>
+__device__ __forceinline__ float sq_dev(const E (&v)[NV], float mean, int64_t cols, Col col) {
   float sq = 0.f;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     if (col(k) < cols) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) sq += (v[k][i] - mean) * (v[k][i] - mean);
+      for (int i = 0; i < VEC; ++i) sq += (value(v[k], i) - mean) * (value(v[k], i) - mean);
     }
   }
   return sq;
 }
 
-// y = (v - mean) * rstd * weight + bias (computed in v), stored into row
-// `row`; `stats`: this thread saves the row's mean and rstd.
-template <class T, class W, int NV, int VEC, class Col>
-__device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, float (&v)[NV][VEC], const Pack<W, VEC> (&w)[NV],
+// y = (v - mean) * rstd * weight + bias, stored into row `row`; `stats`:
+// this thread saves the row's mean and rstd.
+template <class T, class W, int NV, int VEC, class E, class Col>
+__device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, const E (&v)[NV], const Pack<W, VEC> (&w)[NV],
                                         const Pack<W, VEC> (&b)[NV], float mean, float rstd, int64_t row, Col col,
                                         bool stats) {
   T *y = static_cast<T *>(p.y) + row * p.cols;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     if (col(k) < p.cols) {
+      float o[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        float o = (v[k][i] - mean) * rstd;
-        if (p.weight) o *= to_f(w[k].v[i]);
-        if (p.bias) o += to_f(b[k].v[i]);
-        v[k][i] = o;
+        o[i] = (value(v[k], i) - mean) * rstd;
+        if (p.weight) o[i] *= pack_value(w[k], i);
+        if (p.bias) o[i] += pack_value(b[k], i);
       }
-      store_f<VEC>(y + col(k), v[k]);
+      store_f<VEC>(y + col(k), o);
     }
   }
   if (stats) {
@@ -110,95 +113,79 @@ __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, float (&v)[
   }
 }
 
-// CL: the row is split over the blocks of a thread-block cluster (sm_90), one
-// team (block) per slice of NV * team * VEC columns, sums exchanged through
-// distributed shared memory; rows of 16K-64K values stay in registers.
-template <class T, class S, class W, int VEC, int NV, bool CL>
-__global__ void __launch_bounds__(max_threads(NV * VEC, CL)) fwd_regs(const fo_norm_fwd_params p) {
-  __shared__ float red[2][32];  // a team that is not one warp is the whole block
-  __shared__ ClusterSum<1, 2> xsum;  // with CL: exchange 0 the sum, 1 the squares
-  if (CL) {
-    xsum.init();
-    cluster_arrive();
+// weight and bias packs of this thread's chunks (L1/L2 hits after the first
+// rows), loaded after the row's reduction, before any y store; loaded with x
+// they cost registers and measured slower (0.86 against 0.91 at 16384x1024).
+template <class W, int NV, int VEC, class Col>
+__device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC> (&w)[NV], Pack<W, VEC> (&b)[NV],
+                                        Col col) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < p.cols) {
+      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
+    }
   }
+}
+
+// A team of threads per row (a warp, eight to a block, or the whole block)
+// holds the row in registers as s is stored (16-bit s: half the registers of
+// fp32 values; 40 registers for 16 bf16 values a thread where fp32 copies
+// took 64, and 3 blocks of 512 threads an SM instead of 2), every element
+// read once and written once with 16-byte accesses; one row per team, no loop.
+template <class T, class S, class W, int VEC, int NV>
+__global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
+  __shared__ float red[2][32];  // a team that is not one warp is the whole block
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   // This thread's columns, the same in every row: [col(k), col(k) + VEC).
-  const int64_t first = CL ? (int64_t)cluster_rank() * NV * team * VEC : 0;
-  auto col = [&](int k) { return first + ((int64_t)k * team + tid) * VEC; };
+  auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
   // One row per team, no loop: a grid-stride loop keeps addresses and
   // offsets live across rows (59 registers instead of 39 for 8 bf16 values,
   // half the occupancy; ncu), and the hardware hands out new blocks as fast.
-  const int64_t row = CL ? (int64_t)blockIdx.x / cluster_size()
-                         : (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   if (row < p.rows) {
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
-    // Loads only, as raw packs: with the conversions inside the guard, the
-    // compiler issued chunk k + 1's loads only after chunk k's had landed (SASS
-    // at 4 chunks a thread); guarded loads alone are all in flight at once.
-    Pack<T, VEC> xp[NV];
-    Pack<S, VEC> rp[NV];
+    // Loads only, as raw words (Raw): every chunk's loads in flight at once.
+    Raw<T, VEC> xr[NV];
+    Raw<S, VEC> rr[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
-        xp[k] = load_pack<VEC>(x + col(k));
-        if (r) rp[k] = load_pack<VEC>(r + col(k));
+        xr[k] = load_raw<VEC>(x + col(k));
+        if (r) rr[k] = load_raw<VEC>(r + col(k));
       }
     }
-    float v[NV][VEC];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[k][i] = 0.f;
-      if (col(k) < cols) {
-        unpack(xp[k], v[k]);
-        if (r) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) v[k][i] += to_f(rp[k].v[i]);
-        }
-      }
-    }
-    // s as stored: the statistics are those of the rounded stream
-    float sum[1] = {0.f};
+    // s = x + residual as stored: the statistics are those of the rounded stream.
+    Pack<S, VEC> sv[NV];
+    float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
-        if (p.s) {
-          store_rounded<VEC>(static_cast<S *>(p.s) + row * cols + col(k), v[k]);
-        }
+        const Pack<T, VEC> xp = xr[k].pack();
+        const Pack<S, VEC> rp = rr[k].pack();
+        float v[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) sum[0] += v[k][i];
+        for (int i = 0; i < VEC; ++i) v[i] = r ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
+        sv[k] = to_pack<S>(v);
+        if (p.s) store_pack<VEC>(static_cast<S *>(p.s) + row * cols + col(k), sv[k]);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sum[0] += p.rms ? value(sv[k], i) * value(sv[k], i) : value(sv[k], i);
       }
     }
-    float mean = 0.f;
-    if (CL) cluster_wait();  // every block's mbarriers are ready
-    if (!p.rms) {
-      team_sum<true>(sum, team, red[0]);
-      if (CL) xsum.sum(sum, 0);
-      mean = sum[0] / (float)cols;
+    team_sum<true>(sum, team, red[0]);
+    const float mean = p.rms ? 0.f : sum[0] / (float)cols;
+    float var = sum[0] / (float)cols;  // RMSNorm: the mean square
+    if (!p.rms) {  // LayerNorm: the squared deviations from the mean, a second reduction
+      float sq[1] = {sq_dev<VEC>(sv, mean, cols, col)};
+      team_sum<true>(sq, team, red[1]);
+      var = sq[0] / (float)cols;
     }
-    float sq[1] = {sq_dev(v, mean, cols, col)};
-    team_sum<true>(sq, team, red[1]);
-    if (CL) {
-      xsum.sum(sq, 1);
-      cluster_arrive();  // the wait is before exit
-    }
-    const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
-    // weight and bias (L1/L2 hits after the first rows), loaded before any y
-    // store; loaded with x they cost registers and measured slower (0.86
-    // against 0.91 at 16384x1024).
+    const float rstd = rsqrtf(var + p.eps);
     Pack<W, VEC> w[NV], b[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-        if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
-        if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
-      }
-    }
-    write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
-    // No block may exit while another may still read its shared memory.
-    if (CL) cluster_wait();
+    load_wb(p, w, b, col);
+    write_y<T>(p, sv, w, b, mean, rstd, row, col, tid == 0);
   }
 }
 
@@ -231,8 +218,9 @@ struct PipePlace {
 
 // fwd_regs' math on the pipe: x and residual staged; with CL the row is split
 // over a cluster (slices of kPipeChunks * team * VEC columns) and its sums go
-// through ClusterSum while the next rows load (fwd_regs' clusters take one
-// row each and have nothing in flight during an exchange).
+// through ClusterSum while the next rows load (clusters of fwd_regs, one row
+// each, had nothing in flight during an exchange: 0.69-0.77 of the copy at
+// 16K-32K wide against 0.79-0.86; removed in v11).
 template <class T, class S, class W, int VEC, bool CL>
 __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_params p, int stages) {
   constexpr int NV = kPipeChunks;
@@ -269,13 +257,7 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
   };
   for (int i = 0; i + 1 < stages; ++i) fetch(unit + i * row_step, i);
   Pack<W, VEC> w[NV], b[NV];  // the same in every row
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (col(k) < cols) {
-      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
-      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
-    }
-  }
+  load_wb(p, w, b, col);
   if (CL) cluster_wait();  // every block's mbarriers are ready
   int st = 0, exchange = 0;
   for (int64_t row = unit; row < p.rows; row += row_step) {
@@ -309,7 +291,7 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
       if (CL) xsum.sum(sum, exchange++);
       mean = sum[0] / (float)cols;
     }
-    float sq[1] = {sq_dev(v, mean, cols, col)};
+    float sq[1] = {sq_dev<VEC>(v, mean, cols, col)};
     team_sum<true>(sq, team, red[1]);
     if (CL) xsum.sum(sq, exchange++);
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
@@ -429,12 +411,12 @@ __device__ __forceinline__ float4 add4(float4 a, const float *b) {
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds
 // (g - mean(g) first: in rows of tiny variance rstd is huge, and rstd * g
 // minus rstd * mean(g) would cancel to noise.)
-template <class T, class S, class W>
-__device__ __forceinline__ void grad_terms(T dy_v, S s_v, W w_v, bool has_w, float mean, float rstd, float &dy,
-                                           float &xh, float &g) {
-  dy = to_f(dy_v);
-  xh = (to_f(s_v) - mean) * rstd;
-  g = has_w ? dy * to_f(w_v) : dy;
+template <class T, class S, class W, int VEC>
+__device__ __forceinline__ void grad_terms(const Pack<T, VEC> &dyv, const Pack<S, VEC> &sv, const Pack<W, VEC> &wv,
+                                           int i, bool has_w, float mean, float rstd, float &dy, float &xh, float &g) {
+  dy = pack_value(dyv, i);
+  xh = (pack_value(sv, i) - mean) * rstd;
+  g = has_w ? dy * pack_value(wv, i) : dy;
 }
 
 template <class T, class S, class W, int VEC, int NV>
@@ -467,19 +449,20 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
     const S *sp = static_cast<const S *>(p.s) + row * p.s_stride;
     const S *dsp = p.ds ? static_cast<const S *>(p.ds) + row * p.ds_stride : nullptr;
     const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
-    // The row stays in registers as loaded (16-bit packs take half the
-    // registers of fp32 values); xhat and g are recomputed after the
-    // reduction, which is cheaper than the occupancy fp32 copies would cost.
-    Pack<S, VEC> sv[NV], dsv[NV];
-    Pack<T, VEC> dyv[NV];
-    Pack<W, VEC> w[NV];
+    // The row stays in registers as loaded (Raw: 16-bit values two to a
+    // register, half the registers of fp32 values, and every chunk's loads in
+    // flight at once); xhat and g are recomputed after the reduction, which
+    // is cheaper than the occupancy fp32 copies would cost.
+    Raw<S, VEC> sv[NV], dsv[NV];
+    Raw<T, VEC> dyv[NV];
+    Raw<W, VEC> w[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {  // loads only
       if (col(k) < cols) {
-        sv[k] = load_pack<VEC>(sp + col(k));
-        dyv[k] = load_pack<VEC>(dyp + col(k));
-        if (dsp) dsv[k] = load_pack<VEC>(dsp + col(k));
-        if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+        sv[k] = load_raw<VEC>(sp + col(k));
+        dyv[k] = load_raw<VEC>(dyp + col(k));
+        if (dsp) dsv[k] = load_raw<VEC>(dsp + col(k));
+        if (p.weight) w[k] = load_raw_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
       }
     }
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
@@ -493,7 +476,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
           for (int e = 0; e < 4; ++e) {
             const int i = 4 * q + e;
             float dy, xh, g;
-            grad_terms(dyv[k].v[i], sv[k].v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
+            grad_terms(dyv[k].pack(), sv[k].pack(), w[k].pack(), i, p.weight, mean, rstd, dy, xh, g);
             sums[0] += g;
             sums[1] += g * xh;
             dw[e] = dy * xh;
@@ -517,9 +500,9 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float dy, xh, g;
-          grad_terms(dyv[k].v[i], sv[k].v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
+          grad_terms(dyv[k].pack(), sv[k].pack(), w[k].pack(), i, p.weight, mean, rstd, dy, xh, g);
           o[i] = rstd * (g - mean_g - xh * mean_gx);
-          if (dsp) o[i] += to_f(dsv[k].v[i]);
+          if (dsp) o[i] += pack_value(dsv[k].pack(), i);
         }
         store_f<VEC>(dx + col(k), o);
       }
@@ -629,7 +612,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float dy, xh, g;
-          grad_terms(dyv.v[i], sv.v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
+          grad_terms(dyv, sv, w[k], i, p.weight, mean, rstd, dy, xh, g);
           sums[0] += g;
           sums[1] += g * xh;
           dw[k][i] += dy * xh;
@@ -655,9 +638,9 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float dy, xh, g;
-          grad_terms(dyv.v[i], sv.v[i], w[k].v[i], p.weight, mean, rstd, dy, xh, g);
+          grad_terms(dyv, sv, w[k], i, p.weight, mean, rstd, dy, xh, g);
           o[i] = rstd * (g - mean_g - xh * mean_gx);
-          if (p.ds) o[i] += to_f(dsv.v[i]);
+          if (p.ds) o[i] += pack_value(dsv, i);
         }
         store_f<VEC>(dx + at.col(k), o);
       }
@@ -864,46 +847,11 @@ Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values) {
   return loop_shape(cols, c.vec);
 }
 
-// Rows of min_chunks chunks or more are split over a cluster on sm_90 (the
-// forward only), in slices of about `chunks` chunks a block (one 256-thread team of 16
-// values for 16-bit x: the shape that runs the 4096-wide rows near the copy
-// ceiling), up to the portable 8 blocks a cluster. FUSEDOPS_NORM_CLUSTER=
-// "min_chunks,chunks,max_blocks" overrides them, for tuning.
-struct ClusterPlan { int64_t min_chunks = 2048; int64_t chunks = 512; int max_blocks = 8; };
-ClusterPlan cluster_plan() {
-  static const ClusterPlan plan = [] {
-    ClusterPlan c;
-    if (const char *e = getenv("FUSEDOPS_NORM_CLUSTER")) {
-      long long a = 0, b = 0;
-      int m = 0;
-      if (sscanf(e, "%lld,%lld,%d", &a, &b, &m) == 3 && a > 0 && b > 0 && m >= 1 && m <= 16) c = {a, b, m};
-    }
-    return c;
-  }();
-  return plan;
-}
-
 int compute_major(int device) {
   static int cache[64];
   if (device < 0 || device >= 64) return 0;
   if (!cache[device]) cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device);
   return cache[device];
-}
-
-// The register plan of one slice when the row is split over a cluster, or
-// `fallback` when it is not (narrower rows, misaligned data, before sm_90).
-Shape cluster_choose(Shape fallback, int64_t cols, int vec, bool vec_ok, int target, int max_values,
-                     int device) {
-  const ClusterPlan plan = cluster_plan();
-  const int64_t chunks = (cols + vec - 1) / vec;
-  if (!vec_ok || chunks < plan.min_chunks || compute_major(device) < 9) return fallback;
-  const int64_t cl = std::min<int64_t>(plan.max_blocks, (chunks + plan.chunks - 1) / plan.chunks);
-  if (cl < 2) return fallback;
-  Shape c = choose(((chunks + cl - 1) / cl) * vec, vec, true, target, max_values);
-  if (c.nv == 0 || c.team > kClusterMaxThreads) return fallback;
-  c.cl = (int)cl;
-  c.rpb = 1;
-  return c;
 }
 
 // A launch configuration of 1-D clusters of `cl` blocks, `blocks` blocks in all.
@@ -1040,13 +988,14 @@ int bwd_block_target() {
   return n;
 }
 
-// Rows the pipe kernels stage ahead, plus one: FUSEDOPS_NORM_STAGES (2 to 4;
-// 0 or 1 selects the kernels before them: fwd_regs' one-row clusters and
-// the loop kernels, bwd_regs), for tuning.
+// Rows the pipe kernels stage ahead, plus one: 2 (one row ahead) measured
+// 0.01-0.03 of the copy above 3 and 4 at 32K-64K wide, forward and backward.
+// FUSEDOPS_NORM_STAGES (2 to 4; 0 or 1 selects the kernels before them: the
+// loop kernels, bwd_regs) overrides it, for tuning.
 int pipe_stages() {
   static const int n = [] {
     const char *e = getenv("FUSEDOPS_NORM_STAGES");
-    return e ? std::min(atoi(e), kMaxStages) : 3;
+    return e ? std::min(atoi(e), kMaxStages) : 2;
   }();
   return n;
 }
@@ -1162,17 +1111,18 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   const int vec = 16 / fo_dtype_size(p->x_dtype);
   const bool vec_ok = fwd_vec_ok(p, vec);
   const int target = target_values(16 * vec / 8), max_values = kFwdMaxValues * vec / 8;
-  // 8 values a thread (one chunk of 16-bit x: 38 registers, 75 % occupancy)
-  // where that team has at most 512 threads, else 16 (64 registers, 50 %):
-  // 0.92 of the copy against 0.90-0.91 at 256-2048 wide, 0.91 against 0.88 at
-  // 4096; 1024-thread teams measured 0.69 against 0.86 at 8192.
+  // 8 values a thread (one chunk of 16-bit x) where that team has at most
+  // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
+  // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
+  // 0.86 at 8192.
   Shape c = choose(p->cols, vec, vec_ok, target_values(8), max_values);
   if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec_ok, target, max_values);
-  c = cluster_choose(c, p->cols, vec, vec_ok, target, max_values, device);
-  if (c.nv && (p->rows * c.cl + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
-  // fwd_pipe where fwd_regs would split rows over clusters, or the loop kernel run them.
-  // (Everywhere else it is slower: 0.42-0.87 of the copy against 0.85-0.96; docs/perf-notes.md.)
-  const Shape pc = c.nv == 0 || c.cl > 1 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
+  if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
+  // fwd_pipe where no register team holds the row (on sm_90, split over a
+  // cluster), rather than the loop kernel. Where one does, fwd_regs is faster:
+  // 0.87-0.90 of the copy against 0.84-0.88 at 16384 wide, 0.93 against
+  // 0.42-0.87 below (docs/perf-notes.md).
+  const Shape pc = c.nv == 0 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
@@ -1191,13 +1141,8 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
     } else {
       with_nv<V, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
-        if (c.cl > 1) {
-          auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, true>;
-          launch_clusters(k, p->rows * c.cl, c.cl, c.team, 0, st, *p);
-        } else {
-          auto *k = fwd_regs<T, S, W, V, decltype(nv)::value, false>;
-          k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
-        }
+        auto *k = fwd_regs<T, S, W, V, decltype(nv)::value>;
+        k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
       });
     }
   });
