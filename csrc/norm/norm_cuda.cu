@@ -18,11 +18,12 @@
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
  *                        shared memory, and each block writes one partial row.
- *   bwd_pipe             16-bit rows of 4K-8K values (where bwd_regs' team would be
- *                        the whole multiprocessor): teams of at most 512
- *                        threads whose rows are staged through shared memory
- *                        by cp.async, rows ahead, so that loads stay in
- *                        flight while a team reduces.
+ *   bwd_pipe             rows where bwd_regs' team would be the whole
+ *                        multiprocessor (8K 16-bit values) and wider: teams of at
+ *                        most 512 threads whose rows are staged through shared
+ *                        memory by cp.async, rows ahead, so that loads stay in
+ *                        flight while a team reduces; past 16K values split over
+ *                        a cluster on sm_90.
  *   fwd_loop / bwd_loop  any width or alignment: one block per row, passes over
  *                        the row re-read from L1/L2 (s read back after it is
  *                        written by the same thread).
