@@ -47,37 +47,6 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
   return pk;
 }
 
-// A pack's bytes as 32-bit words (packs of 16 bytes or more), loaded and
-// kept untouched until pack() is asked for. Loads of 16-bit Packs in a guard
-// get split into halves (PRMT) inside it, and so wait there for the data: the
-// next chunk's loads issued only after this chunk's had landed (SASS).
-template <class T, int N>
-struct Raw {
-  static_assert(sizeof(T) * N % 16 == 0, "Raw holds whole 16-byte pieces");
-  uint4 q[sizeof(T) * N / 16];
-  __device__ __forceinline__ Pack<T, N> pack() const {
-    Pack<T, N> pk;
-#pragma unroll
-    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) reinterpret_cast<uint4 *>(&pk)[j] = q[j];
-    return pk;
-  }
-};
-template <int N, class T>
-__device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
-  Raw<T, N> r;
-#pragma unroll
-  for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = reinterpret_cast<const uint4 *>(p)[j];
-  return r;
-}
-// load_raw by the read-only (non-coherent) path, as load_pack_ldg.
-template <int N, class T>
-__device__ __forceinline__ Raw<T, N> load_raw_ldg(const T *p) {
-  Raw<T, N> r;
-#pragma unroll
-  for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
-  return r;
-}
-
 // Read-only (non-coherent) path: weight and bias, never written by the kernel.
 template <int N, class T>
 __device__ __forceinline__ Pack<T, N> load_pack_ldg(const T *p) {
@@ -90,6 +59,50 @@ __device__ __forceinline__ Pack<T, N> load_pack_ldg(const T *p) {
     pk = *reinterpret_cast<const Pack<T, N> *>(p);
   }
   return pk;
+}
+
+// A pack's bytes as 32-bit words (packs of 16 bytes or more), loaded and
+// kept untouched until pack() is asked for. Loads of 16-bit Packs in a guard
+// get split into halves (PRMT) inside it, and so wait there for the data: the
+// next chunk's loads issued only after this chunk's had landed (SASS).
+// Smaller packs (one element: misaligned rows) are held as they are.
+template <class T, int N, bool kWords = sizeof(T) * N % 16 == 0>
+struct Raw {
+  uint4 q[sizeof(T) * N / 16];
+  __device__ __forceinline__ Pack<T, N> pack() const {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) reinterpret_cast<uint4 *>(&pk)[j] = q[j];
+    return pk;
+  }
+};
+template <class T, int N>
+struct Raw<T, N, false> {
+  Pack<T, N> p;
+  __device__ __forceinline__ Pack<T, N> pack() const { return p; }
+};
+template <int N, class T>
+__device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
+  Raw<T, N> r;
+  if constexpr (sizeof(T) * N % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = reinterpret_cast<const uint4 *>(p)[j];
+  } else {
+    r.p = load_pack<N>(p);
+  }
+  return r;
+}
+// load_raw by the read-only (non-coherent) path, as load_pack_ldg.
+template <int N, class T>
+__device__ __forceinline__ Raw<T, N> load_raw_ldg(const T *p) {
+  Raw<T, N> r;
+  if constexpr (sizeof(T) * N % 16 == 0) {
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
+  } else {
+    r.p = load_pack_ldg<N>(p);
+  }
+  return r;
 }
 
 template <int N, class T>

@@ -309,7 +309,8 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
 // One block per row for rows too wide for registers (or not 16-byte aligned:
 // VEC = 1). The row is walked loop_unroll(VEC) vectors per thread at a time: three
 // passes for LayerNorm (sum, squared deviations, output), two for RMSNorm; s
-// is read back from L1/L2 by the thread that wrote it.
+// is read back from L1/L2 by the thread that wrote it. A step's loads go
+// into Raw before any is used, so that all are in flight at once.
 template <class T, class S, class W, int VEC>
 __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_params p) {
   constexpr int U = loop_unroll(VEC);
@@ -321,48 +322,59 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
     const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
     const S *r = p.residual ? static_cast<const S *>(p.residual) + row * p.res_stride : nullptr;
     S *s = p.s ? static_cast<S *>(p.s) + row * cols : nullptr;
-    float acc[1] = {0.f};
+    // s as stored, read back by the later passes; without it (no residual,
+    // norm.h), x itself, which then has s's dtype.
+    const S *sx = s;
+    if constexpr (std::is_same_v<S, T>) sx = s ? s : x;
+    float acc[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
+#pragma unroll 1
     for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
-      float v[U][VEC];
+      Raw<T, VEC> xr[U];
+      Raw<S, VEC> rr[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {  // loads only
         const int64_t c = c0 + u * step;
         if (c < cols) {
-          load_f<VEC>(x + c, v[u]);
-          if (r) {
-            float rv[VEC];
-            load_f<VEC>(r + c, rv);
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) v[u][i] += rv[i];
-          }
+          xr[u] = load_raw<VEC>(x + c);
+          if (r) rr[u] = load_raw<VEC>(r + c);
         }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t c = c0 + u * step;
         if (c < cols) {
-          if (s) {
-            store_rounded<VEC>(s + c, v[u]);
-          }
+          const Pack<T, VEC> xp = xr[u].pack();
+          const Pack<S, VEC> rp = rr[u].pack();
+          float v[VEC];
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? v[u][i] * v[u][i] : v[u][i];
+          for (int i = 0; i < VEC; ++i) v[i] = r ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
+          const Pack<S, VEC> sp = to_pack<S>(v);
+          if (s) store_pack<VEC>(s + c, sp);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? value(sp, i) * value(sp, i) : value(sp, i);
         }
       }
     }
-    float mean = 0.f, var;
     team_sum<true>(acc, team, red[parity]);
     parity ^= 1;
-    if (p.rms) {
-      var = acc[0] / (float)cols;
-    } else {
-      mean = acc[0] / (float)cols;
+    const float mean = p.rms ? 0.f : acc[0] / (float)cols;
+    float var = acc[0] / (float)cols;  // RMSNorm: the mean square
+    if (!p.rms) {
       float sq[1] = {0.f};
-      for (int64_t c = (int64_t)tid * VEC; c < cols; c += step) {
-        float v[VEC];
-        if (s) load_f<VEC>(s + c, v);  // s as stored, or x itself
-        else load_f<VEC>(x + c, v);
+  #pragma unroll 1
+    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+        Raw<S, VEC> sr[U];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) sq[0] += (v[i] - mean) * (v[i] - mean);
+        for (int u = 0; u < U; ++u)
+          if (c0 + u * step < cols) sr[u] = load_raw<VEC>(sx + c0 + u * step);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (c0 + u * step < cols) {
+            const Pack<S, VEC> sp = sr[u].pack();
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) sq[0] += (value(sp, i) - mean) * (value(sp, i) - mean);
+          }
+        }
       }
       team_sum<true>(sq, team, red[parity]);
       parity ^= 1;
@@ -370,29 +382,33 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
     }
     const float rstd = rsqrtf(var + p.eps);
     T *y = static_cast<T *>(p.y) + row * cols;
+#pragma unroll 1
     for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
-      float v[U][VEC];
+      Raw<S, VEC> sr[U];
+      Raw<W, VEC> wr[U], br[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {  // loads only
         const int64_t c = c0 + u * step;
-        if (c < cols && s) load_f<VEC>(s + c, v[u]);
-        else if (c < cols) load_f<VEC>(x + c, v[u]);
+        if (c < cols) {
+          sr[u] = load_raw<VEC>(sx + c);
+          if (p.weight) wr[u] = load_raw_ldg<VEC>(static_cast<const W *>(p.weight) + c);
+          if (p.bias) br[u] = load_raw_ldg<VEC>(static_cast<const W *>(p.bias) + c);
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t c = c0 + u * step;
         if (c < cols) {
-          float w[VEC], b[VEC];
-          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
-          if (p.bias) load_f_ldg<VEC>(static_cast<const W *>(p.bias) + c, b);
+          const Pack<S, VEC> sp = sr[u].pack();
+          const Pack<W, VEC> w = wr[u].pack(), b = br[u].pack();
+          float o[VEC];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            float o = (v[u][i] - mean) * rstd;
-            if (p.weight) o *= w[i];
-            if (p.bias) o += b[i];
-            v[u][i] = o;
+            o[i] = (value(sp, i) - mean) * rstd;
+            if (p.weight) o[i] *= pack_value(w, i);
+            if (p.bias) o[i] += pack_value(b, i);
           }
-          store_f<VEC>(y + c, v[u]);
+          store_f<VEC>(y + c, o);
         }
       }
     }
