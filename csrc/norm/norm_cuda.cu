@@ -361,8 +361,8 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
     float var = acc[0] / (float)cols;  // RMSNorm: the mean square
     if (!p.rms) {
       float sq[1] = {0.f};
-  #pragma unroll 1
-    for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
+#pragma unroll 1
+      for (int64_t c0 = (int64_t)tid * VEC; c0 < cols; c0 += U * step) {
         Raw<S, VEC> sr[U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
