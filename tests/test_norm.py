@@ -223,7 +223,10 @@ def test_shapes(device, c):
 WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000), torch.float16),
               ln((400, 65536), torch.bfloat16), rms((40, 32768 + 8), param="fp32"),
               ln((300, 16384), torch.float32, residual="none"),
-              ln((3, 24576), torch.bfloat16, weight=False, bias=False)]
+              ln((3, 24576), torch.bfloat16, weight=False, bias=False),
+              # fwd_regs' 1024-thread teams of 32 bf16 values: the widest row
+              # they hold; fp16 at that width runs fwd_pipe (split over a cluster)
+              ln((257, 32768), torch.bfloat16), rms((33, 32768), torch.float16)]
 
 
 # Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each

@@ -2,8 +2,9 @@
 replay over rotating inputs) of the raw forward and backward ops at a few
 shapes, as GB/s and as a fraction of the copy ceiling measured in the same run.
 Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
-launch plan aims for, norm_cuda.cu) or FUSEDOPS_NORM_STAGES (rows the pipe
-kernels stage) to compare plans:
+launch plan aims for, norm_cuda.cu), FUSEDOPS_NORM_STAGES (rows the pipe
+kernels stage) or FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
+past 8 values a thread) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -46,8 +47,9 @@ def main():
     tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
     if a.no_dwdb:
         tag += " dx-only"
-    if "FUSEDOPS_NORM_STAGES" in os.environ:
-        tag += " stages=" + os.environ["FUSEDOPS_NORM_STAGES"]
+    for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team")):
+        if var in os.environ:
+            tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):
         T, H = map(int, shape.split("x"))
         n = T * H * dt.itemsize

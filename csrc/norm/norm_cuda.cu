@@ -9,11 +9,11 @@
  *                        registers (as s is stored): every element read once and
  *                        written once, with 16-byte accesses; one row per team,
  *                        no loop.
- *   fwd_pipe             rows too wide for fwd_regs (past 16K values of 16-bit
- *                        x) on sm_90: persistent clusters whose blocks each take
- *                        a slice of the row, staged through shared memory rows
- *                        ahead, the row sums exchanged through distributed
- *                        shared memory.
+ *   fwd_pipe             rows too wide for fwd_regs (past 32K values of bf16,
+ *                        16K of fp16 or with fp32 s or weight) on sm_90:
+ *                        persistent clusters whose blocks each take a slice of
+ *                        the row, staged through shared memory rows ahead, the
+ *                        row sums exchanged through distributed shared memory.
  *   bwd_regs             the same teams on a persistent grid (sized by the
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
@@ -51,6 +51,15 @@ using namespace fo;
 // that for fp32 x, whose chunks are half as wide.
 constexpr int kFwdMaxValues = 32, kBwdMaxValues = 16;
 constexpr int max_threads(int values) { return values <= 8 ? 1024 : 512; }
+// fwd_regs' thread cap: 1024 also for 32 values a thread of bf16 x, s,
+// weight and bias (64 registers; s held as stored), the teams of the rows of
+// 16K-32K values that no 512-thread team holds. fp16 spills there (24 bytes:
+// a conversion instruction a value), fp32 s or weight needs more registers.
+constexpr int fwd_max_threads(int values, bool bf16) {
+  return values == kFwdMaxValues && bf16 ? 1024 : max_threads(values);
+}
+template <class T, class S, class W>
+constexpr bool all_bf16 = std::is_same_v<T, __nv_bfloat16> && std::is_same_v<S, T> && std::is_same_v<W, T>;
 constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most this many threads
@@ -115,8 +124,7 @@ __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, const E (&v
 }
 
 // weight and bias packs of this thread's chunks (L1/L2 hits after the first
-// rows), loaded after the row's reduction, before any y store; loaded with x
-// they cost registers and measured slower (0.86 against 0.91 at 16384x1024).
+// rows), before any y store.
 template <class W, int NV, int VEC, class Col>
 __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC> (&w)[NV], Pack<W, VEC> (&b)[NV],
                                         Col col) {
@@ -135,7 +143,8 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
 // took 64, and 3 blocks of 512 threads an SM instead of 2), every element
 // read once and written once with 16-byte accesses; one row per team, no loop.
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_fwd_params p) {
+__global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
+    fwd_regs(const fo_norm_fwd_params p) {
   __shared__ float red[2][32];  // a team that is not one warp is the whole block
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
@@ -158,6 +167,12 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_
         if (r) rr[k] = load_raw<VEC>(r + col(k));
       }
     }
+    // weight and bias: issued with the row's loads where registers allow (16
+    // values a thread or fewer), so that their latency is not added after the
+    // reductions; else after them (32 values: 64 registers, and they spill).
+    constexpr bool kEarlyWb = NV * VEC <= 16;
+    Pack<W, VEC> w[NV], b[NV];
+    if (kEarlyWb) load_wb(p, w, b, col);
     // s = x + residual as stored: the statistics are those of the rounded stream.
     Pack<S, VEC> sv[NV];
     float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
@@ -184,8 +199,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) fwd_regs(const fo_norm_
       var = sq[0] / (float)cols;
     }
     const float rstd = rsqrtf(var + p.eps);
-    Pack<W, VEC> w[NV], b[NV];
-    load_wb(p, w, b, col);
+    if (!kEarlyWb) load_wb(p, w, b, col);
     write_y<T>(p, sv, w, b, mean, rstd, row, col, tid == 0);
   }
 }
@@ -827,15 +841,29 @@ struct Shape {
   int cl = 1;  // blocks per row (a thread-block cluster) when over 1
 };
 
+// A tuning override from the environment: the integer value of `name` where
+// it is set and within [lo, hi], else `fallback`.
+int env_int(const char *name, int lo, int hi, int fallback) {
+  const char *e = getenv(name);
+  const int v = e ? atoi(e) : lo - 1;
+  return v >= lo && v <= hi ? v : fallback;
+}
+
 // Values per thread the register kernels aim for: fewer values means larger
 // teams and more of them per multiprocessor (fewer registers each), more
 // means fewer threads per row. FUSEDOPS_NORM_VALUES overrides it, for tuning.
 int target_values(int fallback) {
-  static const int v = [] {
-    const char *e = getenv("FUSEDOPS_NORM_VALUES");
-    return e ? atoi(e) : 0;
-  }();
+  static const int v = env_int("FUSEDOPS_NORM_VALUES", 1, kFwdMaxValues, 0);
   return v > 0 ? v : fallback;
+}
+
+// The most threads of a forward team of 32 values a thread (fwd_max_threads;
+// the 1024-thread teams measured 0.86 / 0.90 of the copy at 512x32768 LN /
+// RMS against fwd_pipe's 0.83 / 0.85). FUSEDOPS_NORM_FWD_TEAM=512 leaves those
+// rows to fwd_pipe, for tuning.
+int fwd_team_cap() {
+  static const int n = env_int("FUSEDOPS_NORM_FWD_TEAM", 32, 1024, 1024);
+  return n;
 }
 
 Shape loop_shape(int64_t cols, int vec) {
@@ -844,15 +872,16 @@ Shape loop_shape(int64_t cols, int vec) {
 }
 
 // The fewest chunks per thread (a power of two) that give at least `target`
-// values and a team within its thread cap, up to `max_values`.
-Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values) {
+// values and a team within its thread cap, cap(values), up to `max_values`.
+template <class Cap>
+Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values, Cap cap) {
   Shape c{};
   c.vec = vec_ok ? vec : 1;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
   for (int nv = 1; vec_ok && nv * vec <= max_values; nv *= 2) {
     const int64_t team = std::max(32, round_up32((chunks + nv - 1) / nv));
     if (nv * vec < target && nv * vec * 2 <= max_values && team > 32) continue;
-    if (team <= max_threads(nv * vec)) {
+    if (team <= cap(nv * vec)) {
       c.team = (int)team;
       c.nv = nv;
       // The forward's blocks: one team, or warps (which need no barrier)
@@ -997,11 +1026,7 @@ void with_nv(int nv, F &&f) {
 // overrides it, for tuning.
 constexpr int kBwdBlockTarget = 1024;
 int bwd_block_target() {
-  static const int n = [] {
-    const char *e = getenv("FUSEDOPS_NORM_BWD_BLOCK");
-    const int v = e ? atoi(e) : 0;
-    return v >= 32 && v <= 1024 ? v : kBwdBlockTarget;
-  }();
+  static const int n = env_int("FUSEDOPS_NORM_BWD_BLOCK", 32, 1024, kBwdBlockTarget);
   return n;
 }
 
@@ -1010,10 +1035,7 @@ int bwd_block_target() {
 // FUSEDOPS_NORM_STAGES (2 to 4; 0 or 1 selects the kernels before them: the
 // loop kernels, bwd_regs) overrides it, for tuning.
 int pipe_stages() {
-  static const int n = [] {
-    const char *e = getenv("FUSEDOPS_NORM_STAGES");
-    return e ? std::min(atoi(e), kMaxStages) : 2;
-  }();
+  static const int n = env_int("FUSEDOPS_NORM_STAGES", 0, kMaxStages, 2);
   return n;
 }
 
@@ -1066,7 +1088,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const int vec = 16 / fo_dtype_size(p->x_dtype);
   const bool vec_ok = bwd_vec_ok(p, vec);
   const int max_values = kBwdMaxValues * vec / 8;
-  Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values);
+  Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values, max_threads);
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
     c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
@@ -1132,8 +1154,15 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
   // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
   // 0.86 at 8192.
-  Shape c = choose(p->cols, vec, vec_ok, target_values(8), max_values);
-  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec_ok, target, max_values);
+  Shape c = choose(p->cols, vec, vec_ok, target_values(8), max_values, max_threads);
+  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec_ok, target, max_values, max_threads);
+  // Rows no 512-thread team holds: 1024-thread teams of 32 bf16 values
+  // (fwd_team_cap). At 16384 wide, 16 values x 1024 measured 0.88 / 0.91 of
+  // the copy (LN / RMS) against 32 x 512's 0.91 / 0.92: only where 512 cannot.
+  const bool bf16 = p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 && p->w_dtype == FO_BF16;
+  if (c.nv == 0)
+    c = choose(p->cols, vec, vec_ok, max_values, max_values,
+               [&](int values) { return std::min(fwd_max_threads(values, bf16), fwd_team_cap()); });
   if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   // fwd_pipe where no register team holds the row (on sm_90, split over a
   // cluster), rather than the loop kernel. Where one does, fwd_regs is faster:
