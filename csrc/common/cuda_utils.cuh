@@ -34,27 +34,20 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
 // Raw pack load / store. Packs of 16 or 32 bytes go through uint4 so that
 // they are always single 16-byte instructions (LDG.128 / STG.128); with a
 // struct copy the compiler sometimes splits a store into four 4-byte ones.
-template <int N, class T>
+// kLdg: by the read-only (non-coherent) path, for arrays the kernel never
+// writes (weight, bias).
+template <bool kLdg>
+__device__ __forceinline__ uint4 load16(const uint4 *p) {
+  if constexpr (kLdg) return __ldg(p);
+  else return *p;
+}
+template <int N, bool kLdg = false, class T>
 __device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
   Pack<T, N> pk;
   if constexpr (sizeof(pk) % 16 == 0) {
 #pragma unroll
     for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
-      reinterpret_cast<uint4 *>(&pk)[j] = reinterpret_cast<const uint4 *>(p)[j];
-  } else {
-    pk = *reinterpret_cast<const Pack<T, N> *>(p);
-  }
-  return pk;
-}
-
-// Read-only (non-coherent) path: weight and bias, never written by the kernel.
-template <int N, class T>
-__device__ __forceinline__ Pack<T, N> load_pack_ldg(const T *p) {
-  Pack<T, N> pk;
-  if constexpr (sizeof(pk) % 16 == 0) {
-#pragma unroll
-    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
-      reinterpret_cast<uint4 *>(&pk)[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
+      reinterpret_cast<uint4 *>(&pk)[j] = load16<kLdg>(reinterpret_cast<const uint4 *>(p) + j);
   } else {
     pk = *reinterpret_cast<const Pack<T, N> *>(p);
   }
@@ -81,26 +74,14 @@ struct Raw<T, N, false> {
   Pack<T, N> p;
   __device__ __forceinline__ Pack<T, N> pack() const { return p; }
 };
-template <int N, class T>
+template <int N, bool kLdg = false, class T>
 __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
   Raw<T, N> r;
   if constexpr (sizeof(T) * N % 16 == 0) {
 #pragma unroll
-    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = reinterpret_cast<const uint4 *>(p)[j];
+    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = load16<kLdg>(reinterpret_cast<const uint4 *>(p) + j);
   } else {
-    r.p = load_pack<N>(p);
-  }
-  return r;
-}
-// load_raw by the read-only (non-coherent) path, as load_pack_ldg.
-template <int N, class T>
-__device__ __forceinline__ Raw<T, N> load_raw_ldg(const T *p) {
-  Raw<T, N> r;
-  if constexpr (sizeof(T) * N % 16 == 0) {
-#pragma unroll
-    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = __ldg(reinterpret_cast<const uint4 *>(p) + j);
-  } else {
-    r.p = load_pack_ldg<N>(p);
+    r.p = load_pack<N, kLdg>(p);
   }
   return r;
 }
@@ -135,14 +116,9 @@ __device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = pack_value(pk, i);
 }
 
-template <int N, class T>
+template <int N, bool kLdg = false, class T>
 __device__ __forceinline__ void load_f(const T *p, float (&out)[N]) {
-  unpack(load_pack<N>(p), out);
-}
-
-template <int N, class T>
-__device__ __forceinline__ void load_f_ldg(const T *p, float (&out)[N]) {
-  unpack(load_pack_ldg<N>(p), out);
+  unpack(load_pack<N, kLdg>(p), out);
 }
 
 // v rounded to T. 16-bit types convert two values an instruction

@@ -131,8 +131,8 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     if (col(k) < p.cols) {
-      if (p.weight) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
-      if (p.bias) b[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.bias) + col(k));
+      if (p.weight) w[k] = load_pack<VEC, true>(static_cast<const W *>(p.weight) + col(k));
+      if (p.bias) b[k] = load_pack<VEC, true>(static_cast<const W *>(p.bias) + col(k));
     }
   }
 }
@@ -405,8 +405,8 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
         const int64_t c = c0 + u * step;
         if (c < cols) {
           sr[u] = load_raw<VEC>(sx + c);
-          if (p.weight) wr[u] = load_raw_ldg<VEC>(static_cast<const W *>(p.weight) + c);
-          if (p.bias) br[u] = load_raw_ldg<VEC>(static_cast<const W *>(p.bias) + c);
+          if (p.weight) wr[u] = load_raw<VEC, true>(static_cast<const W *>(p.weight) + c);
+          if (p.bias) br[u] = load_raw<VEC, true>(static_cast<const W *>(p.bias) + c);
         }
       }
 #pragma unroll
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
         sv[k] = load_raw<VEC>(sp + col(k));
         dyv[k] = load_raw<VEC>(dyp + col(k));
         if (dsp) dsv[k] = load_raw<VEC>(dsp + col(k));
-        if (p.weight) w[k] = load_raw_ldg<VEC>(static_cast<const W *>(p.weight) + col(k));
+        if (p.weight) w[k] = load_raw<VEC, true>(static_cast<const W *>(p.weight) + col(k));
       }
     }
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
@@ -614,7 +614,7 @@ __global__ void __launch_bounds__(kPipeThreads) bwd_pipe(const fo_norm_bwd_param
   float dw[NV][VEC], db[NV][VEC];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    if (p.weight && at.col(k) < cols) w[k] = load_pack_ldg<VEC>(static_cast<const W *>(p.weight) + at.col(k));
+    if (p.weight && at.col(k) < cols) w[k] = load_pack<VEC, true>(static_cast<const W *>(p.weight) + at.col(k));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) dw[k][i] = db[k][i] = 0.f;
   }
@@ -721,7 +721,7 @@ __global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_param
           load_f<VEC>(sp + c, xh[u]);
           load_f<VEC>(dyp + c, dy[u]);
           float w[VEC];
-          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+          if (p.weight) load_f<VEC, true>(static_cast<const W *>(p.weight) + c, w);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             const float g = p.weight ? dy[u][i] * w[i] : dy[u][i];
@@ -752,7 +752,7 @@ __global__ void __launch_bounds__(kLoopThreads) bwd_loop(const fo_norm_bwd_param
         const int64_t c = c0 + u * step;
         if (c < cols) {
           float w[VEC];
-          if (p.weight) load_f_ldg<VEC>(static_cast<const W *>(p.weight) + c, w);
+          if (p.weight) load_f<VEC, true>(static_cast<const W *>(p.weight) + c, w);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             const float g = p.weight ? dy[u][i] * w[i] : dy[u][i];
