@@ -6,9 +6,10 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // Residual-add + LayerNorm / RMSNorm (csrc/norm). s = x + residual in
   // residual's dtype (or fp32 when residual is None and residual_in_fp32);
   // y = norm(s) in x's dtype. s is empty when it equals x; mean is empty for
-  // RMSNorm; mean and rstd are fp32 per row.
+  // RMSNorm; mean and rstd are fp32 per row, for the backward: with
+  // stats=False (no gradient wanted) both are empty and neither is written.
   m.def("add_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
-        "bool rms, bool residual_in_fp32) -> (Tensor y, Tensor s, Tensor mean, Tensor rstd)");
+        "bool rms, bool residual_in_fp32, bool stats=True) -> (Tensor y, Tensor s, Tensor mean, Tensor rstd)");
   // Gradient of add_norm_fwd. s is the normalised input (x when s was not
   // stored). dx, in s's dtype, is the gradient of both x and residual, ds
   // included. dweight / dbias are empty unless asked for.

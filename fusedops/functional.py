@@ -31,8 +31,12 @@ def _param(t, x):
 
 
 def _add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32):
+    # The per-row statistics are for the backward: none without one (what an
+    # inference graph of torch.compile computes too).
+    stats = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias))
     y, s, _, _ = _ops.add_norm_fwd(
-        x, residual, _param(weight, x), _param(bias, x), float(eps), rms, residual_in_fp32)
+        x, residual, _param(weight, x), _param(bias, x), float(eps), rms, residual_in_fp32, stats)
     if s.numel() == 0 and s.shape != x.shape:  # s was not stored: it is x
         s = x
     return y, s

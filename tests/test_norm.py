@@ -325,6 +325,68 @@ def test_raw_forward_outputs(device, c):
         assert_close_2x(got, r, e, f"{c} {name}")
 
 
+def _fwd(inp, c, **kw):
+    return ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"], c.eps, c.rms,
+                            c.residual_in_fp32, **kw)
+
+
+# Every forward kernel on CUDA: one-warp and block teams, the 1024-thread team
+# (32768 bf16), the pipe (65536; fp16 at 32768) and the loop (misaligned: 4099).
+NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), rms((40, 4096), torch.float16, residual="fp32")]
+NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
+                       ln((5, 65536), torch.bfloat16, residual="fp32")]
+
+
+@pytest.mark.parametrize("c", NO_STATS_CASES, ids=ids(NO_STATS_CASES))
+def test_forward_without_stats(device, c):
+    """stats=False (no backward to come): y and s bitwise those of stats=True,
+    mean and rstd empty (and not written)."""
+    inp = make_inputs(c, device)
+    want = _fwd(inp, c)
+    with poisoned(device):
+        got = _fwd(inp, c, stats=False)
+    for name, a, b in zip(("y", "s"), want[:2], got[:2]):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b)), f"{c} {name}"
+    assert got[2].shape == (0,) and got[3].shape == (0,) and got[3].dtype == torch.float32
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", NO_STATS_CUDA_CASES, ids=ids(NO_STATS_CUDA_CASES))
+def test_forward_without_stats_wide_cuda(c):
+    test_forward_without_stats(torch.device("cuda"), c)
+
+
+def test_forward_without_stats_refuses_a_gradient(device):
+    c = ln((3, 8))
+    inp = make_inputs(c, device)
+    inp["x"].requires_grad_()
+    with pytest.raises(RuntimeError, match=r"fusedops\.add_norm_fwd: stats is False, expected True when a "
+                                           r"gradient is wanted"):
+        _fwd(inp, c, stats=False)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_functional_stats_only_for_a_backward(device, grad, monkeypatch):
+    """fusedops.functional asks for the statistics only when autograd will
+    want them, and its results do not depend on it."""
+    c = ln((5, 33), torch.bfloat16)
+    inp = make_inputs(c, device)
+    seen = []
+    real = FF._ops.add_norm_fwd
+
+    class Spy:
+        def __call__(self, *args):
+            seen.append(args[-1])
+            return real(*args)
+    monkeypatch.setattr(FF, "_ops", type("O", (), {"add_norm_fwd": Spy()})())
+    x, r, w, b = (inp[k].detach().requires_grad_(grad) for k in ARGS)
+    y, s = FF.fused_add_layer_norm(x, r, w, b)
+    with torch.no_grad():
+        y2, s2 = FF.fused_add_layer_norm(x, r, w, b)
+    assert seen == [grad, False]
+    assert torch.equal(bits(y), bits(y2)) and torch.equal(bits(s), bits(s2))
+
+
 @pytest.mark.parametrize("rms_", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 def test_norm_functions(device, rms_, affine):
@@ -613,6 +675,8 @@ def test_opcheck_fwd(device, c):
     inp = make_inputs(c, device)
     args = tuple(None if inp[k] is None else inp[k].requires_grad_() for k in ARGS)
     torch.library.opcheck(ops.add_norm_fwd, (*args, c.eps, c.rms, c.residual_in_fp32))
+    plain = tuple(None if inp[k] is None else inp[k].detach() for k in ARGS)
+    torch.library.opcheck(ops.add_norm_fwd, (*plain, c.eps, c.rms, c.residual_in_fp32, False))
 
 
 @pytest.mark.parametrize("c", OPCHECK_CASES, ids=ids(OPCHECK_CASES))

@@ -26,8 +26,8 @@ typedef struct fo_norm_fwd_params {
   void *y;              /* [rows, cols] x_dtype, contiguous */
   void *s;              /* [rows, cols] s_dtype, contiguous; NULL: s is not stored
                            (only allowed when residual is NULL and s_dtype == x_dtype) */
-  float *mean;          /* [rows]; NULL for RMSNorm */
-  float *rstd;          /* [rows] */
+  float *mean;          /* [rows]; NULL for RMSNorm or when not wanted */
+  float *rstd;          /* [rows]; NULL when not wanted (no backward) */
   int64_t x_stride, res_stride;
   float eps;
   int rms;

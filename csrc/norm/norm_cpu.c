@@ -124,7 +124,7 @@ FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, 
   else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_BF16);
   else fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F16);
   if (p->mean) p->mean[r] = mean;
-  p->rstd[r] = rstd;
+  if (p->rstd) p->rstd[r] = rstd;
 }
 
 /* One row. */

@@ -117,7 +117,7 @@ __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, const E (&v
       store_f<VEC>(y + col(k), o);
     }
   }
-  if (stats) {
+  if (stats && p.rstd) {  // no statistics without a backward (p.rstd null)
     if (p.mean) p.mean[row] = mean;
     p.rstd[row] = rstd;
   }
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
         }
       }
     }
-    if (tid == 0) {
+    if (tid == 0 && p.rstd) {
       if (p.mean) p.mean[row] = mean;
       p.rstd[row] = rstd;
     }

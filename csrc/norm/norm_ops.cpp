@@ -34,7 +34,7 @@ void check_params(const char *op, const Tensor &x, OptTensor &weight, OptTensor 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor residual,
                                                         OptTensor weight, OptTensor bias,
                                                         double eps, bool rms,
-                                                        bool residual_in_fp32) {
+                                                        bool residual_in_fp32, bool stats) {
   const char *op = "fusedops.add_norm_fwd";
   STD_TORCH_CHECK(x.dim() >= 1, op, ": x has shape ", shape_str(x),
                   ", expected at least one dimension");
@@ -56,8 +56,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor resi
 
   Tensor y = empty_like_shape(x, x.scalar_type());
   Tensor s = store_s ? empty_like_shape(x, scalar_type_of(st)) : empty_1d(x, 0, x.scalar_type());
-  Tensor mean = empty_1d(x, rms ? 0 : rows, ScalarType::Float);
-  Tensor rstd = empty_1d(x, rows, ScalarType::Float);
+  Tensor mean = empty_1d(x, rms || !stats ? 0 : rows, ScalarType::Float);
+  Tensor rstd = empty_1d(x, stats ? rows : 0, ScalarType::Float);
   if (rows == 0) return {y, s, mean, rstd};
 
   RowView xv = row_view(x);
@@ -74,8 +74,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor resi
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = y.data_ptr();
   p.s = store_s ? s.data_ptr() : nullptr;
-  p.mean = rms ? nullptr : static_cast<float *>(mean.data_ptr());
-  p.rstd = static_cast<float *>(rstd.data_ptr());
+  p.mean = rms || !stats ? nullptr : static_cast<float *>(mean.data_ptr());
+  p.rstd = stats ? static_cast<float *>(rstd.data_ptr()) : nullptr;
   p.eps = static_cast<float>(eps);
   p.rms = rms;
   p.x_dtype = xt;

@@ -1,14 +1,16 @@
 """Fake kernels and autograd for fusedops::add_norm_fwd / add_norm_bwd.
 
 Schemas (csrc/library.cpp):
-  add_norm_fwd(x, residual?, weight?, bias?, eps, rms, residual_in_fp32)
+  add_norm_fwd(x, residual?, weight?, bias?, eps, rms, residual_in_fp32, stats=True)
       -> (y, s, mean, rstd)
   add_norm_bwd(dy, ds?, s, weight?, bias?, mean, rstd, rms, need_dweight, need_dbias)
       -> (dx, dweight, dbias)
 
 s is stored only when there is something new to store: with no residual and the
 stream kept in x's dtype, s is x itself and the op returns an empty tensor in
-its place. mean is empty for RMSNorm; dweight/dbias are empty when not asked for.
+its place. mean is empty for RMSNorm; mean and rstd are both empty with
+stats=False (no backward will run: the kernels then write neither); dweight/dbias
+are empty when not asked for.
 """
 import torch
 
@@ -29,7 +31,7 @@ def stores_s(x, residual, residual_in_fp32):
 
 
 @torch.library.register_fake("fusedops::add_norm_fwd")
-def _add_norm_fwd_fake(x, residual, weight, bias, eps, rms, residual_in_fp32):
+def _add_norm_fwd_fake(x, residual, weight, bias, eps, rms, residual_in_fp32, stats=True):
     check_one_device("add_norm_fwd", x=x, residual=residual, weight=weight, bias=bias)
     rows = _rows(x)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -37,8 +39,8 @@ def _add_norm_fwd_fake(x, residual, weight, bias, eps, rms, residual_in_fp32):
         s = x.new_empty(x.shape, dtype=s_dtype(x, residual, residual_in_fp32))
     else:
         s = x.new_empty((0,))
-    mean = x.new_empty((0,) if rms else (rows,), dtype=torch.float32)
-    rstd = x.new_empty((rows,), dtype=torch.float32)
+    mean = x.new_empty((0,) if rms or not stats else (rows,), dtype=torch.float32)
+    rstd = x.new_empty((rows,) if stats else (0,), dtype=torch.float32)
     return y, s, mean, rstd
 
 
@@ -63,7 +65,10 @@ def _rows(x):
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, rms, residual_in_fp32 = inputs
+    x, residual, weight, bias, eps, rms, residual_in_fp32, *stats = inputs
+    if stats and not stats[0]:
+        raise RuntimeError("fusedops.add_norm_fwd: stats is False, expected True when a gradient is "
+                           "wanted (the backward needs mean and rstd)")
     _, s, mean, rstd = output
     ctx.rms = rms
     ctx.has_residual = residual is not None
@@ -93,7 +98,7 @@ def _backward(ctx, dy, ds, dmean, drstd):
         gres = dx if dx.dtype == ctx.residual_dtype else dx.to(ctx.residual_dtype)
     gw = dw if (need_w and ctx.has_weight) else None
     gb = db if (need_b and ctx.has_bias) else None
-    return gx, gres, gw, gb, None, None, None
+    return gx, gres, gw, gb, None, None, None, None
 
 
 torch.library.register_autograd(
