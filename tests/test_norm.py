@@ -303,6 +303,11 @@ STAT_CASES = [ln((3, 1000), torch.bfloat16), ln((3, 1000), torch.bfloat16, resid
               ln((0, 7)), rms((1, 1))]
 
 
+def _fwd(inp, c, **kw):
+    return ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"], c.eps, c.rms,
+                            c.residual_in_fp32, **kw)
+
+
 @pytest.mark.parametrize("c", STAT_CASES, ids=ids(STAT_CASES))
 def test_raw_forward_outputs(device, c):
     """add_norm_fwd's four outputs: y, s (empty when s is x), and the fp32 per-row
@@ -310,8 +315,7 @@ def test_raw_forward_outputs(device, c):
     stored."""
     inp = make_inputs(c, device)
     with poisoned(device):
-        y, s, mean, rstd = ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"],
-                                            c.eps, c.rms, c.residual_in_fp32)
+        y, s, mean, rstd = _fwd(inp, c)
     assert y.shape == inp["x"].shape and y.dtype == c.dtype and y.is_contiguous()
     if c.stores_s:
         assert s.shape == inp["x"].shape and s.dtype == c.s_dtype
@@ -323,11 +327,6 @@ def test_raw_forward_outputs(device, c):
     ref, eager = _stats64(s.double(), c.eps, c.rms), _stats64(s.float(), c.eps, c.rms)
     for name, got, r, e in zip(("mean", "rstd"), (mean, rstd), ref, eager):
         assert_close_2x(got, r, e, f"{c} {name}")
-
-
-def _fwd(inp, c, **kw):
-    return ops.add_norm_fwd(inp["x"], inp["residual"], inp["weight"], inp["bias"], c.eps, c.rms,
-                            c.residual_in_fp32, **kw)
 
 
 # Every forward kernel on CUDA: one-warp and block teams, the 1024-thread team

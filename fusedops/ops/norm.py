@@ -65,8 +65,8 @@ def _rows(x):
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, rms, residual_in_fp32, *stats = inputs
-    if stats and not stats[0]:
+    x, residual, weight, bias, eps, rms, residual_in_fp32, stats = inputs  # defaults filled in
+    if not stats:
         raise RuntimeError("fusedops.add_norm_fwd: stats is False, expected True when a gradient is "
                            "wanted (the backward needs mean and rstd)")
     _, s, mean, rstd = output
