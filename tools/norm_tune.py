@@ -9,7 +9,8 @@ past 8 values a thread) to compare plans:
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
-timed the same way; --fwd-only skips the backward.
+timed the same way; --fwd-only skips the backward. The forward writes no
+mean / rstd unless --stats (as in the suite's forward rows).
 
 Not the benchmark suite (benchmarks/): no eager, no autograd."""
 import argparse
@@ -36,6 +37,9 @@ def main():
                     help="backward without dweight / dbias (dx only: no partial rows, no colsum)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile's forward")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
+    ap.add_argument("--stats", action="store_true",
+                    help="the forward writes mean / rstd (training); by default it does not, as in the suite's "
+                         "forward rows and torch.compile's inference kernel")
     ap.add_argument("--once", action="store_true",
                     help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
@@ -47,6 +51,8 @@ def main():
     tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
     if a.no_dwdb:
         tag += " dx-only"
+    if a.stats:
+        tag += " stats"
     for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
@@ -64,7 +70,7 @@ def main():
 
         def fwd():
             x, r, w, b, *_ = sets[next(it) % len(sets)]
-            ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
+            ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats)
 
         def bwd():
             x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
