@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
         sv[k] = to_pack<S>(v);
         if (p.s) store_pack<VEC>(static_cast<S *>(p.s) + row * cols + col(k), sv[k]);
         if constexpr (kF32) unpack(sv[k], fv[k]);
-        const auto &e = pick<kF32>(fv[k], sv[k]);
+        const auto &e = pick<kF32>(fv[kF32 ? k : 0], sv[k]);  // fv has one row without kF32
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sum[0] += p.rms ? value(e, i) * value(e, i) : value(e, i);
       }
