@@ -245,6 +245,27 @@ PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, r
               ln((5000, 3072), torch.bfloat16), rms((999, 3072), torch.float32, residual="none")]
 
 
+# Rows of 256, 512 and 1024 16-bit values with a residual and a weight in x's
+# dtype run fwd_narrow on CUDA (norm_cuda.cu: the width a compile-time
+# constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
+# row, a few, and thousands. Beside them, calls at those widths that
+# fwd_narrow leaves to fwd_regs: no weight, fp32 weight, fp32 residual, no
+# residual.
+NARROW_CASES = ([ln((2, 700, 512), torch.bfloat16), ln((3, 256), torch.float16, bias=False),
+                 rms((1, 1024), torch.bfloat16), rms((4000, 256), torch.float16),
+                 ln((1500, 1024), torch.float16), rms((5, 512), torch.bfloat16)]
+                + [ln((33, 1024), torch.bfloat16, weight=False), ln((33, 256), torch.bfloat16, param="fp32"),
+                   rms((33, 512), torch.float16, residual="fp32"), rms((33, 1024), torch.bfloat16, residual="none")])
+
+
+@pytest.mark.parametrize("c", NARROW_CASES, ids=ids(NARROW_CASES))
+def test_narrow_rows(device, c):
+    inp = make_inputs(c, device)
+    got = forward_backward(c, inp, poison=True)
+    check_against_reference(c, inp, got)
+    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+
+
 @requires_cuda
 @pytest.mark.parametrize("c", WIDE_CASES + PIPE_CASES, ids=ids(WIDE_CASES + PIPE_CASES))
 def test_wide_rows_cuda(c):
@@ -331,7 +352,8 @@ def test_raw_forward_outputs(device, c):
 
 # Every forward kernel on CUDA: one-warp and block teams, the 1024-thread team
 # (32768 bf16), the pipe (65536; fp16 at 32768) and the loop (misaligned: 4099).
-NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), rms((40, 4096), torch.float16, residual="fp32")]
+NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), rms((40, 4096), torch.float16, residual="fp32"),
+                                 ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
                        ln((5, 65536), torch.bfloat16, residual="fp32")]
 
@@ -433,7 +455,8 @@ LAYOUTS = [("x", "transpose"), ("x", "permute"), ("x", "slice"), ("x", "slice_mi
            ("weight", "stride2"), ("bias", "stride2"), ("gy", "slice"), ("gy", "slice_misaligned"),
            ("gy", "transpose"), ("gs", "slice_misaligned"), ("gs", "expand")]
 LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"),
-                rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32")]
+                rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32"),
+                ln((4, 6, 512), torch.bfloat16), rms((24, 1024), torch.float16)]  # the last two: fwd_narrow
 LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
                  if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
 # Layouts whose results may differ in rounding from the contiguous ones on CUDA:

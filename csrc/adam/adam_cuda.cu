@@ -84,7 +84,7 @@ __device__ __forceinline__ void update_tile(const Table &t, int i, int64_t base,
       const int64_t e = first(u);
       if (MASTER) load_f<VEC>(t.master[i] + e, p[u]);
       else load_f<VEC>(at<P>(t.p[i], e), p[u]);
-      load_f<VEC, true>(static_cast<const P *>(t.g[i]) + e, g[u]);
+      load_f<VEC, kReadOnly>(static_cast<const P *>(t.g[i]) + e, g[u]);
       load_f<VEC>(at<S>(t.m[i], e), m[u]);
       load_f<VEC>(at<S>(t.v[i], e), v[u]);
       if (ams) load_f<VEC>(at<S>(t.vmax[i], e), x[u]);

@@ -34,20 +34,41 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
 // Raw pack load / store. Packs of 16 or 32 bytes go through uint4 so that
 // they are always single 16-byte instructions (LDG.128 / STG.128); with a
 // struct copy the compiler sometimes splits a store into four 4-byte ones.
-// kLdg: by the read-only (non-coherent) path, for arrays the kernel never
-// writes (weight, bias).
-template <bool kLdg>
+// How a load is cached (kReadOnly and kKeep only for arrays the kernel never
+// writes: the compiler may move those loads past any store):
+//   kPlain     the default;
+//   kReadOnly  the read-only (non-coherent) path;
+//   kKeep      evict_last in L1 and L2, so that a small array read by every
+//              row (a norm's weight) stays in L1 while the rows stream
+//              through it (how Triton loads such arrays).
+enum Cache : int { kPlain = 0, kReadOnly = 1, kKeep = 2 };
+template <int kCache>
 __device__ __forceinline__ uint4 load16(const uint4 *p) {
-  if constexpr (kLdg) return __ldg(p);
-  else return *p;
+  if constexpr (kCache == kKeep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    return __ldg(p);  // no cache policies before sm_80
+#else
+    uint4 v;
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm("ld.global.L1::evict_last.L2::cache_hint.v4.b32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+    return v;
+#endif
+  } else if constexpr (kCache == kReadOnly) {
+    return __ldg(p);
+  } else {
+    return *p;
+  }
 }
-template <int N, bool kLdg = false, class T>
+template <int N, int kCache = kPlain, class T>
 __device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
   Pack<T, N> pk;
   if constexpr (sizeof(pk) % 16 == 0) {
 #pragma unroll
     for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
-      reinterpret_cast<uint4 *>(&pk)[j] = load16<kLdg>(reinterpret_cast<const uint4 *>(p) + j);
+      reinterpret_cast<uint4 *>(&pk)[j] = load16<kCache>(reinterpret_cast<const uint4 *>(p) + j);
   } else {
     pk = *reinterpret_cast<const Pack<T, N> *>(p);
   }
@@ -74,14 +95,14 @@ struct Raw<T, N, false> {
   Pack<T, N> p;
   __device__ __forceinline__ Pack<T, N> pack() const { return p; }
 };
-template <int N, bool kLdg = false, class T>
+template <int N, int kCache = kPlain, class T>
 __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
   Raw<T, N> r;
   if constexpr (sizeof(T) * N % 16 == 0) {
 #pragma unroll
-    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = load16<kLdg>(reinterpret_cast<const uint4 *>(p) + j);
+    for (int j = 0; j < (int)(sizeof(r) / 16); ++j) r.q[j] = load16<kCache>(reinterpret_cast<const uint4 *>(p) + j);
   } else {
-    r.p = load_pack<N, kLdg>(p);
+    r.p = load_pack<N, kCache>(p);
   }
   return r;
 }
@@ -116,9 +137,9 @@ __device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = pack_value(pk, i);
 }
 
-template <int N, bool kLdg = false, class T>
+template <int N, int kCache = kPlain, class T>
 __device__ __forceinline__ void load_f(const T *p, float (&out)[N]) {
-  unpack(load_pack<N, kLdg>(p), out);
+  unpack(load_pack<N, kCache>(p), out);
 }
 
 // v rounded to T. 16-bit types convert two values an instruction

@@ -38,10 +38,10 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const fo_rope_params p, 
       float x1[VEC], x2[VEC], c1[VEC], c2[VEC], s1[VEC], s2[VEC], y1[VEC], y2[VEC];
       load_f<VEC>(x, x1);
       load_f<VEC>(x + half, x2);
-      load_f<VEC, true>(cr + j, c1);
-      load_f<VEC, true>(cr + j + half, c2);
-      load_f<VEC, true>(sr + j, s1);
-      load_f<VEC, true>(sr + j + half, s2);
+      load_f<VEC, kReadOnly>(cr + j, c1);
+      load_f<VEC, kReadOnly>(cr + j + half, c2);
+      load_f<VEC, kReadOnly>(sr + j, s1);
+      load_f<VEC, kReadOnly>(sr + j + half, s2);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) fo_rope_pair(x1[e], x2[e], c1[e], c2[e], s1[e], s2[e], p.inverse, &y1[e], &y2[e]);
       store_f<VEC>(o, y1);
