@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
 // One warp a row and a block, COLS / 256 chunks a thread, no guards; the
 // weight and bias are loaded after s's sum with evict_last (kKeep), so that
 // they stay in L1 while the rows stream through it. Measured against fwd_regs
-// (v12d): +0.4 to +0.7 % of the copy; in fwd_regs, with the width known only at
+// (v12d): +0.2 to +0.6 % of the copy; in fwd_regs, with the width known only at
 // run time, neither the shape nor the late loads gained.
 template <class T, int COLS, bool RMS, bool BIAS>
 __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
