@@ -224,9 +224,15 @@ WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000
               ln((400, 65536), torch.bfloat16), rms((40, 32768 + 8), param="fp32"),
               ln((300, 16384), torch.float32, residual="none"),
               ln((3, 24576), torch.bfloat16, weight=False, bias=False),
-              # fwd_regs' 1024-thread teams of 32 bf16 values: the widest row
-              # they hold; fp16 at that width runs fwd_pipe (split over a cluster)
-              ln((257, 32768), torch.bfloat16), rms((33, 32768), torch.float16)]
+              # fwd_park (16-bit x and s, 16K-32K wide, half of each thread's
+              # chunks parked in shared memory; every one of these rows in
+              # test_forward_plans_cuda, by default those whose rows fill its
+              # last wave, as 257 x 32768 does on an H100): the widest row it
+              # holds, the narrowest (16392: the last chunks past the row), fp32
+              # weight and bias, no residual
+              ln((257, 32768), torch.bfloat16), rms((33, 32768), torch.float16),
+              ln((129, 16392), torch.bfloat16, param="fp32"), rms((70, 30000), torch.bfloat16, residual="none"),
+              ln((5, 32768), torch.float16, bias=False, param="fp32")]
 
 
 # Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
@@ -291,23 +297,39 @@ def test_pipe_rows_without_ds_cuda(rms_):
         assert torch.equal(g, w)
 
 
-@requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
-                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16"])
-def test_backward_plans_cuda(env):
-    """The backward's tuning switches (read once per process, so each runs in a
-    subprocess): two and four pipeline stages, bwd_regs with 256-thread
-    blocks (the plan before bwd_pipe), and 16 values a thread (registers that
-    cap a block at 512 threads), on the pipe, wide-row and shape cases."""
+def _tests_with_env(env, select):
+    """This file's tests selected by `select` (pytest -k), run in a subprocess
+    with the settings `env` ("NAME=value ..."): the kernels' tuning switches
+    are read once per process."""
     import os
     import subprocess
     import sys
     extra = dict(kv.split("=") for kv in env.split())
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "test_wide_rows or test_pipe_rows or (test_shapes and cuda)"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
                           env=dict(os.environ, **extra), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{env}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
+@requires_cuda
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
+                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16"])
+def test_backward_plans_cuda(env):
+    """The backward's tuning switches: two and four pipeline stages, bwd_regs
+    with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
+    (registers that cap a block at 512 threads), on the pipe, wide-row and
+    shape cases."""
+    _tests_with_env(env, "test_wide_rows or test_pipe_rows or (test_shapes and cuda)")
+
+
+@requires_cuda
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0"])
+def test_forward_plans_cuda(env):
+    """fwd_park runs by default only where its rows fill its last wave of
+    blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
+    FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
+    0 none (fwd_regs' 1024-thread teams and fwd_pipe run them)."""
+    _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda)")
 
 
 def _stats64(s, eps, rms):
@@ -350,8 +372,8 @@ def test_raw_forward_outputs(device, c):
         assert_close_2x(got, r, e, f"{c} {name}")
 
 
-# Every forward kernel on CUDA: one-warp and block teams, the 1024-thread team
-# (32768 bf16), the pipe (65536; fp16 at 32768) and the loop (misaligned: 4099).
+# Every forward kernel on CUDA: one-warp and block teams, fwd_park (32768 bf16
+# and fp16), the pipe (65536) and the loop (misaligned: 4099).
 NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), rms((40, 4096), torch.float16, residual="fp32"),
                                  ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
@@ -456,7 +478,8 @@ LAYOUTS = [("x", "transpose"), ("x", "permute"), ("x", "slice"), ("x", "slice_mi
            ("gy", "transpose"), ("gs", "slice_misaligned"), ("gs", "expand")]
 LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"),
                 rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32"),
-                ln((4, 6, 512), torch.bfloat16), rms((24, 1024), torch.float16)]  # the last two: fwd_narrow
+                ln((4, 6, 512), torch.bfloat16), rms((24, 1024), torch.float16),  # fwd_narrow
+                ln((2, 3, 17000), torch.bfloat16)]  # fwd_park
 LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
                  if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
 # Layouts whose results may differ in rounding from the contiguous ones on CUDA:

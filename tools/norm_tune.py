@@ -3,8 +3,9 @@ replay over rotating inputs) of the raw forward and backward ops at a few
 shapes, as GB/s and as a fraction of the copy ceiling measured in the same run.
 Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
 launch plan aims for, norm_cuda.cu), FUSEDOPS_NORM_STAGES (rows the pipe
-kernels stage) or FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
-past 8 values a thread) to compare plans:
+kernels stage), FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
+past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
+forward without fwd_narrow or fwd_park) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -32,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x1024,16384x4096,8192x8192")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--wdtype", help="dtype of weight and bias (default: --dtype)")
     ap.add_argument("--rms", action="store_true")
     ap.add_argument("--no-dwdb", action="store_true",
                     help="backward without dweight / dbias (dx only: no partial rows, no colsum)")
@@ -45,6 +47,7 @@ def main():
     a = ap.parse_args()
     dev = torch.device("cuda")
     dt = getattr(torch, a.dtype)
+    wdt = getattr(torch, a.wdtype or a.dtype)
     if a.once:
         return once(a, dev, dt)
     ceiling = common.copy_ceiling(dev)["GB/s"]
@@ -53,7 +56,8 @@ def main():
         tag += " dx-only"
     if a.stats:
         tag += " stats"
-    for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team")):
+    for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
+                      ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):
@@ -62,8 +66,8 @@ def main():
         sets = []
         for _ in range(max(2, (256 << 20) // (8 * n) + 1)):
             x, r, dy, ds = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(4))
-            w = 1 + 0.1 * torch.randn(H, device=dev, dtype=dt)
-            b = None if a.rms else 0.1 * torch.randn(H, device=dev, dtype=dt)
+            w = 1 + 0.1 * torch.randn(H, device=dev, dtype=wdt)
+            b = None if a.rms else 0.1 * torch.randn(H, device=dev, dtype=wdt)
             y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
             sets.append((x, r, w, b, dy, ds, s, mean, rstd))
         it = iter(range(1 << 62))
@@ -78,7 +82,7 @@ def main():
 
         tf = common.graph_time(fwd, dev)
         gf = 4 * n / tf / 1e9
-        line = f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}: fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})"
+        line = f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}{'/' + a.wdtype if a.wdtype else ''}: fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})"
         if a.compile:
             ref = common.compiled(lambda x, r, w, b: reference.add_norm(x, r, w, b, 1e-5, a.rms))
 

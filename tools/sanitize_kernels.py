@@ -33,9 +33,12 @@ ops = torch.ops.fusedops
 def norm_cases():
     """(case, layouts): register kernels (aligned widths), loop kernels (odd or
     misaligned widths: one element a step; rows wider than the registers take:
-    16-byte steps), dweight / dbias partials and their column sums."""
+    16-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
+    with: two an SM), dweight / dbias partials and their column sums."""
     ln, rms = test_norm.ln, test_norm.rms
-    return [(ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
+    return [(rms((2 * sms, 32768), BF16), []),
+            (ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
             (ln((3, 5, 64), F32), []),
             (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
             (ln((5, 20000), BF16), []),  # wider than the register kernels take

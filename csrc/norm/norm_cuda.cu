@@ -94,6 +94,24 @@ __device__ __forceinline__ const auto &pick(const A &a, const B &b) {
   else return b;
 }
 
+// One chunk of s = x + residual (x alone where there is none), rounded to S.
+template <class T, class S, int VEC>
+__device__ __forceinline__ Pack<S, VEC> add_chunk(const Raw<T, VEC> &xw, const Raw<S, VEC> &rw, bool residual) {
+  const Pack<T, VEC> xp = xw.pack();
+  const Pack<S, VEC> rp = rw.pack();
+  float v[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = residual ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
+  return to_pack<S>(v);
+}
+
+// Adds a chunk's values (rms: their squares) to acc: the first reduction's terms.
+template <int VEC, class E>
+__device__ __forceinline__ void add_terms(const E &e, bool rms, float &acc) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc += rms ? value(e, i) * value(e, i) : value(e, i);
+}
+
 // The sum of the squared deviations from `mean` of this thread's values.
 template <int VEC, int NV, class E, class Col>
 __device__ __forceinline__ float sq_dev(const E (&v)[NV], float mean, int64_t cols, Col col) {
@@ -200,17 +218,10 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
-        const Pack<T, VEC> xp = xr[k].pack();
-        const Pack<S, VEC> rp = rr[k].pack();
-        float v[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[i] = r ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
-        sv[k] = to_pack<S>(v);
+        sv[k] = add_chunk(xr[k], rr[k], r);
         if (p.s) store_pack<VEC>(static_cast<S *>(p.s) + row * cols + col(k), sv[k]);
         if constexpr (kF32) unpack(sv[k], fv[k]);
-        const auto &e = pick<kF32>(fv[kF32 ? k : 0], sv[k]);  // fv has one row without kF32
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sum[0] += p.rms ? value(e, i) * value(e, i) : value(e, i);
+        add_terms<VEC>(pick<kF32>(fv[kF32 ? k : 0], sv[k]), p.rms, sum[0]);  // fv has one row without kF32
       }
     }
     const auto &vals = pick<kF32>(fv, sv);
@@ -294,6 +305,95 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     store_f<VEC>(y + col(k), o);
   }
   if (lane == 0) save_stats(p, row, mean, rstd);
+}
+
+// Rows of 16K-32K 16-bit values (x and s of one dtype): a block of at most
+// 512 threads a row, 64 values a thread. Half of each thread's chunks are held
+// in registers as fwd_regs holds them; the other half are parked in shared
+// memory: x and residual copied there by cp.async with the register chunks'
+// loads, s written back over x. 64 registers and 64 KB a block, so that two
+// rows are in flight an SM where fwd_regs' 1024-thread team held one.
+constexpr int kParkThreads = 512, kParkChunks = 8, kParked = 4;
+template <class T, class W>
+__global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_params p) {
+  constexpr int VEC = 8, NR = kParkChunks - kParked;  // NR chunks in registers
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  __shared__ float red[2][32];
+  extern __shared__ uint4 park[];  // [kParked][x (then s), residual][team]
+  const int tid = threadIdx.x, team = blockDim.x;
+  const int cols = (int)p.cols;  // at most 32K: 32-bit columns, fewer registers
+  const int64_t row = blockIdx.x;
+  auto col = [&](int k) { return (k * team + tid) * VEC; };
+  auto pcol = [&](int j) { return col(NR + j); };
+  auto xs = [&](int j) { return park + (2 * j) * team + tid; };
+  auto rs = [&](int j) { return park + (2 * j + 1) * team + tid; };
+  const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
+  const T *r = p.residual ? static_cast<const T *>(p.residual) + row * p.res_stride : nullptr;
+  T *s = p.s ? static_cast<T *>(p.s) + row * cols : nullptr;
+#pragma unroll
+  for (int j = 0; j < kParked; ++j) {
+    if (pcol(j) < cols) {
+      cp_async16(xs(j), x + pcol(j), true);
+      if (r) cp_async16(rs(j), r + pcol(j), true);
+    }
+  }
+  cp_async_commit();
+  Raw<T, VEC> xr[NR], rr[NR];
+#pragma unroll
+  for (int k = 0; k < NR; ++k) {
+    if (col(k) < cols) {
+      xr[k] = load_raw<VEC>(x + col(k));
+      if (r) rr[k] = load_raw<VEC>(r + col(k));
+    }
+  }
+  // s = x + residual as stored; the statistics are those of the rounded stream.
+  float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
+  auto add = [&](const Raw<T, VEC> &xw, const Raw<T, VEC> &rw, int c) {
+    const Pack<T, VEC> sp = add_chunk(xw, rw, r);
+    if (s) store_pack<VEC>(s + c, sp);
+    add_terms<VEC>(sp, p.rms, sum[0]);
+    return sp;
+  };
+  Pack<T, VEC> sv[NR];
+#pragma unroll
+  for (int k = 0; k < NR; ++k)
+    if (col(k) < cols) sv[k] = add(xr[k], rr[k], col(k));
+  cp_async_wait<0>();
+#pragma unroll
+  for (int j = 0; j < kParked; ++j) {
+    if (pcol(j) < cols) {
+      Raw<T, VEC> xw, rw;
+      xw.q[0] = *xs(j);
+      if (r) rw.q[0] = *rs(j);
+      store_pack<VEC>(reinterpret_cast<T *>(xs(j)), add(xw, rw, pcol(j)));
+    }
+  }
+  team_sum<true>(sum, team, red[0]);
+  const float mean = p.rms ? 0.f : sum[0] / (float)cols;
+  float var = sum[0] / (float)cols;  // RMSNorm: the mean square
+  if (!p.rms) {  // LayerNorm: the squared deviations from the mean, a second reduction
+    Pack<T, VEC> pv[kParked];  // the parked chunks of s, read back
+#pragma unroll
+    for (int j = 0; j < kParked; ++j)
+      if (pcol(j) < cols) pv[j] = load_pack<VEC>(reinterpret_cast<const T *>(xs(j)));
+    float sq[1] = {sq_dev<VEC>(sv, mean, cols, col) + sq_dev<VEC>(pv, mean, cols, pcol)};
+    team_sum<true>(sq, team, red[1]);
+    var = sq[0] / (float)cols;
+  }
+  const float rstd = rsqrtf(var + p.eps);
+  // y a chunk at a time, its weight and bias loaded with it (all at once
+  // they would spill).
+#pragma unroll
+  for (int k = 0; k < kParkChunks; ++k) {
+    auto at = [&](int) { return col(k); };
+    Pack<T, VEC> v[1];
+    Pack<W, VEC> w[1], b[1];
+    if (k < NR) v[0] = sv[k < NR ? k : 0];
+    else if (col(k) < cols) v[0] = load_pack<VEC>(reinterpret_cast<const T *>(xs(k - NR)));
+    load_wb(p, w, b, at);
+    write_y<T>(p, v, w, b, mean, rstd, row, at, false);
+  }
+  if (tid == 0) save_stats(p, row, mean, rstd);
 }
 
 // The pipe kernels (fwd_pipe, bwd_pipe): persistent teams, or clusters, whose
@@ -449,15 +549,9 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
       for (int u = 0; u < U; ++u) {
         const int64_t c = c0 + u * step;
         if (c < cols) {
-          const Pack<T, VEC> xp = xr[u].pack();
-          const Pack<S, VEC> rp = rr[u].pack();
-          float v[VEC];
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) v[i] = r ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
-          const Pack<S, VEC> sp = to_pack<S>(v);
+          const Pack<S, VEC> sp = add_chunk(xr[u], rr[u], r);
           if (s) store_pack<VEC>(s + c, sp);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[0] += p.rms ? value(sp, i) * value(sp, i) : value(sp, i);
+          add_terms<VEC>(sp, p.rms, acc[0]);
         }
       }
     }
@@ -1180,6 +1274,47 @@ bool narrow_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
          (p->cols == 256 || p->cols == 512 || p->cols == 1024) && p->rows <= INT32_MAX;
 }
 
+// When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
+// (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
+// holds. FUSEDOPS_NORM_PARK overrides it, for tuning and for the tests.
+int park_mode() {
+  static const int n = env_int("FUSEDOPS_NORM_PARK", 0, 2, 1);
+  return n;
+}
+
+// Whether a call's rows are fwd_park's: 16-byte access, x and s of one 16-bit
+// dtype, rows wider than fwd_regs' 512-thread teams hold (16K values) and
+// within what fwd_park's block holds (32K), a block a row.
+bool park_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
+  return park_mode() && vec_ok && fo_dtype_size(p->x_dtype) == 2 && p->s_dtype == p->x_dtype &&
+         p->cols > (int64_t)max_threads(kFwdMaxValues) * kFwdMaxValues &&
+         p->cols <= (int64_t)kParkThreads * kParkChunks * 8 && p->rows <= INT32_MAX;
+}
+
+// Launches fwd_park (a block a row, of the fewest whole warps whose
+// kParkChunks chunks of 8 values cover it) where it beats the plan it
+// replaces, and returns whether it did. Its rows must fill the last wave of
+// its blocks (two or three an SM) to 90 %: at 600 rows of 32K (three waves,
+// the last a quarter full) it lost 2-5 %. In place of fwd_pipe (fp16, fp32
+// weight) that is all: +2 to +10 % at 512 and 4096 rows. In place of
+// fwd_regs' 1024-thread teams (bf16) the rows must also be at most two waves:
+// +0.2 to +10 % at 256-512 rows of 16K-32K, where fwd_regs keeps one row an SM;
+// at 2112 and 4096 rows fwd_regs ran 1.5-3 % faster (docs/perf-notes.md, v13).
+template <class T, class W>
+bool launch_park(const fo_norm_fwd_params *p, bool over_regs, int device, cudaStream_t st) {
+  auto *k = fwd_park<T, W>;
+  const int team = round_up32((p->cols / 8 + kParkChunks - 1) / kParkChunks);
+  const size_t smem = (size_t)kParked * 2 * team * 16;
+  allow_smem(k, smem, device);
+  if (park_mode() == 1) {
+    const int64_t slots = (int64_t)sm_count(device) * blocks_per_sm(k, team, smem);
+    const int64_t waves = (p->rows + slots - 1) / slots;
+    if (p->rows * 10 < waves * slots * 9 || (over_regs && waves > 2)) return false;
+  }
+  k<<<(unsigned)p->rows, team, smem, st>>>(*p);
+  return true;
+}
+
 template <class T>
 void launch_narrow(const fo_norm_fwd_params *p, cudaStream_t st) {
   auto run = [&](auto cols) {
@@ -1261,6 +1396,14 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   const int device = current_device();
   const int vec = 16 / fo_dtype_size(p->x_dtype);
   const bool vec_ok = fwd_vec_ok(p, vec);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p->rows > 0 && narrow_fwd(p, vec_ok)) {  // no other plan to make
+    with_type(p->x_dtype, [&](auto tt) {
+      using T = typename decltype(tt)::type;
+      if constexpr (sizeof(T) == 2) launch_narrow<T>(p, st);
+    });
+    return last_error();
+  }
   const int target = target_values(16 * vec / 8), max_values = kFwdMaxValues * vec / 8;
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
@@ -1281,8 +1424,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   // 0.87-0.90 of the copy against 0.84-0.88 at 16384 wide, 0.93 against
   // 0.42-0.87 below (docs/perf-notes.md).
   const Shape pc = c.nv == 0 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool narrow = p->rows > 0 && narrow_fwd(p, vec_ok);
+  const bool park = p->rows > 0 && park_fwd(p, vec_ok);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
     using S = typename decltype(ts)::type;
@@ -1292,8 +1434,8 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     const size_t smem = pc.nv ? pipe_smem((size_t)kPipeChunks * V * pc.team * (sizeof(T) + (p->residual ? sizeof(S) : 0)),
                                           device, &stages)
                               : 0;
-    if constexpr (sizeof(T) == 2 && std::is_same_v<S, T> && std::is_same_v<W, T>) {
-      if (narrow) return launch_narrow<T>(p, st);
+    if constexpr (sizeof(T) == 2 && std::is_same_v<S, T>) {
+      if (park && launch_park<T, W>(p, c.nv != 0, device, st)) return;
     }
     if (smem) {
       pipe_launch(fwd_pipe<T, S, W, V, true>, fwd_pipe<T, S, W, V, false>, pc, smem, stages, p->rows, device, true,
