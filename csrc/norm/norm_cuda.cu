@@ -13,6 +13,11 @@
  *                        and a weight: fwd_regs' work with the width a constant,
  *                        one warp a row and a block, the weight loaded late
  *                        with evict_last.
+ *   fwd_park             rows of 16K-32K 16-bit values: a block of at most 512
+ *                        threads a row, half of each thread's chunks in registers
+ *                        and half parked in shared memory (cp.async), so that
+ *                        two rows are in flight an SM; where its rows fill its
+ *                        last wave (launch_park).
  *   fwd_pipe             rows too wide for fwd_regs (past 32K values of bf16,
  *                        16K of fp16 or with fp32 s or weight) on sm_90:
  *                        persistent clusters whose blocks each take a slice of
