@@ -34,7 +34,8 @@ def norm_cases():
     """(case, layouts): register kernels (aligned widths), loop kernels (odd or
     misaligned widths: one element a step; rows wider than the registers take:
     16-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
-    with: two an SM), dweight / dbias partials and their column sums."""
+    with: two an SM), fwd_narrow (rows of 512 and 1024 16-bit values, one row
+    stride its own), dweight / dbias partials and their column sums."""
     ln, rms = test_norm.ln, test_norm.rms
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
     return [(rms((2 * sms, 32768), BF16), []),
@@ -44,6 +45,8 @@ def norm_cases():
             (ln((5, 20000), BF16), []),  # wider than the register kernels take
             (rms((37, 1000), BF16, residual="none_fp32"), []),
             (rms((3, 7), F16, residual="fp32"), []),
+            (rms((37, 512), BF16), [("x", "rowstep")]),
+            (ln((5, 3, 1024), F16), []),
             (rms((4, 6, 1000), BF16), [("x", "slice_misaligned"), ("gy", "rowstep")]),
             (ln((24, 1000), BF16, weight=False), [("x", "rowstep"), ("residual", "expand")])]
 

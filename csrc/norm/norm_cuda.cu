@@ -268,6 +268,10 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     rr[k] = load_raw<VEC>(r + col(k));
   }
   // s = x + residual as stored; the statistics are those of the rounded stream.
+  // RMSNorm stores s after its reduction (as Inductor's kernel does): +0.7 % of
+  // the copy at 1024 wide, level at 256 and 512. LayerNorm stores it here: held
+  // to after its reductions, its 1024-wide kernels need 92-96 registers.
+  T *s = static_cast<T *>(p.s) + row * COLS;
   float v[NV][VEC];
   float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
 #pragma unroll
@@ -275,7 +279,8 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     const Pack<T, VEC> xp = xr[k].pack(), rp = rr[k].pack();
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[k][i] = pack_value(xp, i) + pack_value(rp, i);
-    store_rounded<VEC>(static_cast<T *>(p.s) + row * COLS + col(k), v[k]);
+    if (RMS) unpack(to_pack<T>(v[k]), v[k]);  // rounded to T in place
+    else store_rounded<VEC>(s + col(k), v[k]);
     add_terms<VEC>(v[k], RMS, sum[0]);
   }
   Pack<T, VEC> w[NV], b[NV];
@@ -285,6 +290,10 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     if (BIAS) b[k] = load_pack<VEC, kKeep>(static_cast<const T *>(p.bias) + col(k));
   }
   warp_sum(sum);
+  if (RMS) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), to_pack<T>(v[k]));  // exact: v holds T's values
+  }
   const float mean = RMS ? 0.f : sum[0] / COLS;
   float var = sum[0] / COLS;  // RMSNorm: the mean square
   if (!RMS) {  // sq_dev's column guard is not folded away here: its SASS was 4-15 % longer
@@ -1319,12 +1328,32 @@ bool launch_park(const fo_norm_fwd_params *p, bool over_regs, int device, cudaSt
   return true;
 }
 
+// Whether the 512-wide fwd_narrow kernels ask for the smallest L1 (the
+// largest shared-memory carveout; they use none): 1 (the default) or 0, the
+// driver's choice, for tuning. FUSEDOPS_NORM_SMALL_L1 overrides it.
+int small_l1() {
+  static const int n = env_int("FUSEDOPS_NORM_SMALL_L1", 0, 1, 1);
+  return n;
+}
+
 template <class T>
-void launch_narrow(const fo_norm_fwd_params *p, cudaStream_t st) {
+void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
   auto run = [&](auto cols) {
     constexpr int C = decltype(cols)::value;
-    auto *k = p->rms ? fwd_narrow<T, C, true, false> : p->bias ? fwd_narrow<T, C, false, true>
-                                                             : fwd_narrow<T, C, false, false>;
+    const int variant = p->rms ? 0 : p->bias ? 1 : 2;
+    auto *k = variant == 0 ? fwd_narrow<T, C, true, false> : variant == 1 ? fwd_narrow<T, C, false, true>
+                                                                          : fwd_narrow<T, C, false, false>;
+    // At 512 wide the smallest L1 (the carveout at 228 KB of an H100 SM's 256)
+    // measured +0.7 % of the copy for RMSNorm and +0.3 % for LayerNorm, bf16.
+    // At 1024 wide it cost 0.3 % and 2.7 %, and fwd_regs and bwd_regs 1-10 %,
+    // so it is theirs alone (docs/perf-notes.md, v14).
+    if constexpr (C == 512) {
+      static bool asked[3][64];  // once a kernel and device; a repeat is harmless
+      if (small_l1() && device >= 0 && device < 64 && !asked[variant][device]) {
+        cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        asked[variant][device] = true;
+      }
+    }
     k<<<(unsigned)p->rows, 32, 0, st>>>(*p);
   };
   if (p->cols == 256) run(std::integral_constant<int, 256>{});
@@ -1404,7 +1433,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   if (p->rows > 0 && narrow_fwd(p, vec_ok)) {  // no other plan to make
     with_type(p->x_dtype, [&](auto tt) {
       using T = typename decltype(tt)::type;
-      if constexpr (sizeof(T) == 2) launch_narrow<T>(p, st);
+      if constexpr (sizeof(T) == 2) launch_narrow<T>(p, device, st);
     });
     return last_error();
   }
