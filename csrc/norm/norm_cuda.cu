@@ -216,21 +216,26 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
     // One chunk of 16-bit s: also kept as fp32 values (kF32), unpacked once
     // rather than at each of its two or three uses: +0.1 to +0.3 % of the copy
     // at 256-2048 wide (7 more registers; occupancy did not matter there).
+    // That chunk is stored after the first reduction: +0.3 to +0.45 % at 2048
+    // and 4096 wide (bf16, LayerNorm and RMSNorm); stored late, two or four
+    // chunks a thread cost 0.1 to 1.2 % (docs/perf-notes.md, v14).
     constexpr bool kF32 = NV == 1 && sizeof(S) == 2;
     Pack<S, VEC> sv[NV];
     float fv[kF32 ? NV : 1][VEC];
+    auto store_s = [&](int k) { store_pack<VEC>(static_cast<S *>(p.s) + row * cols + col(k), sv[k]); };
     float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (col(k) < cols) {
         sv[k] = add_chunk(xr[k], rr[k], r);
-        if (p.s) store_pack<VEC>(static_cast<S *>(p.s) + row * cols + col(k), sv[k]);
+        if (p.s && !kF32) store_s(k);
         if constexpr (kF32) unpack(sv[k], fv[k]);
         add_terms<VEC>(pick<kF32>(fv[kF32 ? k : 0], sv[k]), p.rms, sum[0]);  // fv has one row without kF32
       }
     }
     const auto &vals = pick<kF32>(fv, sv);
     team_sum<true>(sum, team, red[0]);
+    if (kF32 && p.s && col(0) < cols) store_s(0);
     const float mean = p.rms ? 0.f : sum[0] / (float)cols;
     float var = sum[0] / (float)cols;  // RMSNorm: the mean square
     if (!p.rms) {  // LayerNorm: the squared deviations from the mean, a second reduction
