@@ -5,7 +5,8 @@ Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
 launch plan aims for, norm_cuda.cu), FUSEDOPS_NORM_STAGES (rows the pipe
 kernels stage), FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
 past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
-forward without fwd_narrow or fwd_park) to compare plans:
+forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
+512-wide fwd_narrow with the driver's L1 size) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -57,7 +58,8 @@ def main():
     if a.stats:
         tag += " stats"
     for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
-                      ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park")):
+                      ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
+                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

@@ -12,7 +12,7 @@
  *   fwd_narrow           rows of 256, 512 or 1024 16-bit values with a residual
  *                        and a weight: fwd_regs' work with the width a constant,
  *                        one warp a row and a block, the weight loaded late
- *                        with evict_last.
+ *                        with evict_last; at 512 wide with the smallest L1.
  *   fwd_park             rows of 16K-32K 16-bit values: a block of at most 512
  *                        threads a row, half of each thread's chunks in registers
  *                        and half parked in shared memory (cp.async), so that
