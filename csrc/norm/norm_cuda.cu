@@ -296,8 +296,10 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   }
   warp_sum(sum);
   if (RMS) {
+    // Re-packed (exact: v holds T's values) rather than held: held, the packs
+    // took the 1024-wide kernel to 79 registers, or spilled under 64.
 #pragma unroll
-    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), to_pack<T>(v[k]));  // exact: v holds T's values
+    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), to_pack<T>(v[k]));
   }
   const float mean = RMS ? 0.f : sum[0] / COLS;
   float var = sum[0] / COLS;  // RMSNorm: the mean square
