@@ -107,12 +107,34 @@ __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
   return r;
 }
 
-template <int N, class T>
+// One 16-byte store to global memory, as a plain (weak) st.global in inline
+// PTX, with a memory clobber so that the compiler orders it as it ordered the
+// assignment. (Not __stwb: ptxas makes its st.global.wb a strong store,
+// STG.E.128.STRONG.SM, and it measured up to 1 % slower.)
+__device__ __forceinline__ void store16(uint4 *p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// A pack stored to global memory. With kPtx (the default) packs of 8 bytes
+// and of 16 or more go out as one vector store each (STG.64 / STG.128) in
+// inline PTX. Assigned as uint4 or uint2, NVVM split some of them into 32-bit
+// stores, four STG.E a 16-byte pack (so already in the PTX): half the
+// stores of fwd_regs' 32-value kernels, a quarter to all of swiglu's backward
+// (docs/perf-notes.md, v15). !kPtx keeps the assignment, for the kernels
+// where the inline PTX measured slower or spilled (and for shared memory).
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
   if constexpr (sizeof(pk) % 16 == 0) {
 #pragma unroll
-    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j)
-      reinterpret_cast<uint4 *>(p)[j] = reinterpret_cast<const uint4 *>(&pk)[j];
+    for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) {
+      const uint4 v = reinterpret_cast<const uint4 *>(&pk)[j];
+      if constexpr (kPtx) store16(reinterpret_cast<uint4 *>(p) + j, v);
+      else reinterpret_cast<uint4 *>(p)[j] = v;
+    }
+  } else if constexpr (kPtx && sizeof(pk) == 8) {
+    const uint2 v = *reinterpret_cast<const uint2 *>(&pk);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
   } else {
     *reinterpret_cast<Pack<T, N> *>(p) = pk;
   }
@@ -161,9 +183,9 @@ __device__ __forceinline__ Pack<T, N> to_pack(const float (&v)[N]) {
   return pk;
 }
 
-template <int N, class T>
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
-  store_pack<N>(p, to_pack<T>(in));
+  store_pack<N, kPtx>(p, to_pack<T>(in));
 }
 
 // Stores v as T and leaves in v what was stored (the values rounded to T):

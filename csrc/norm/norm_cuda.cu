@@ -73,7 +73,8 @@ constexpr int kMaxTeams = 15;      // named barriers 1..15
 constexpr int kBlockTarget = 256;  // threads per block when teams are small
 constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most this many threads
 // The loop kernels: at most 512 threads a block (128 registers a thread),
-// each with 16 values (four vectors of 16-bit types) in flight per step.
+// each with 16 values (two vectors of 16-bit types, four of fp32) in flight
+// per step.
 constexpr int kLoopThreads = 512;
 constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 
@@ -140,8 +141,8 @@ __device__ __forceinline__ void save_stats(const fo_norm_fwd_params &p, int64_t 
 }
 
 // y = (v - mean) * rstd * weight + bias, stored into row `row`; `stats`:
-// this thread saves the row's mean and rstd.
-template <class T, class W, int NV, int VEC, class E, class Col>
+// this thread saves the row's mean and rstd. kPtx: as store_pack's.
+template <class T, bool kPtx = true, class W, int NV, int VEC, class E, class Col>
 __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, const E (&v)[NV], const Pack<W, VEC> (&w)[NV],
                                         const Pack<W, VEC> (&b)[NV], float mean, float rstd, int64_t row, Col col,
                                         bool stats) {
@@ -156,7 +157,7 @@ __device__ __forceinline__ void write_y(const fo_norm_fwd_params &p, const E (&v
         if (p.weight) o[i] *= pack_value(w[k], i);
         if (p.bias) o[i] += pack_value(b[k], i);
       }
-      store_f<VEC>(y + col(k), o);
+      store_f<VEC, kPtx>(y + col(k), o);
     }
   }
   if (stats) save_stats(p, row, mean, rstd);
@@ -337,6 +338,9 @@ constexpr int kParkThreads = 512, kParkChunks = 8, kParked = 4;
 template <class T, class W>
 __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_params p) {
   constexpr int VEC = 8, NR = kParkChunks - kParked;  // NR chunks in registers
+  // Its stores stay C++ assignments (no 16-byte store was split here): with
+  // store_pack's inline PTX, LayerNorm at 512 x 32768 read 0.5 % slower (v15).
+  constexpr bool kParkPtx = false;
   static_assert(sizeof(T) == 2, "16-bit rows");
   __shared__ float red[2][32];
   extern __shared__ uint4 park[];  // [kParked][x (then s), residual][team]
@@ -370,7 +374,7 @@ __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_pa
   float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
   auto add = [&](const Raw<T, VEC> &xw, const Raw<T, VEC> &rw, int c) {
     const Pack<T, VEC> sp = add_chunk(xw, rw, r);
-    if (s) store_pack<VEC>(s + c, sp);
+    if (s) store_pack<VEC, kParkPtx>(s + c, sp);
     add_terms<VEC>(sp, p.rms, sum[0]);
     return sp;
   };
@@ -385,7 +389,8 @@ __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_pa
       Raw<T, VEC> xw, rw;
       xw.q[0] = *xs(j);
       if (r) rw.q[0] = *rs(j);
-      store_pack<VEC>(reinterpret_cast<T *>(xs(j)), add(xw, rw, pcol(j)));
+      const Pack<T, VEC> sp = add(xw, rw, pcol(j));
+      *xs(j) = reinterpret_cast<const uint4 &>(sp);  // parked again, as s
     }
   }
   team_sum<true>(sum, team, red[0]);
@@ -411,7 +416,7 @@ __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_pa
     if (k < NR) v[0] = sv[k < NR ? k : 0];
     else if (col(k) < cols) v[0] = load_pack<VEC>(reinterpret_cast<const T *>(xs(k - NR)));
     load_wb(p, w, b, at);
-    write_y<T>(p, v, w, b, mean, rstd, row, at, false);
+    write_y<T, kParkPtx>(p, v, w, b, mean, rstd, row, at, false);
   }
   if (tid == 0) save_stats(p, row, mean, rstd);
 }
@@ -540,6 +545,10 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
 template <class T, class S, class W, int VEC>
 __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_params p) {
   constexpr int U = loop_unroll(VEC);
+  // fp32 rows keep C++ assignments for their stores, split or not: with
+  // store_pack's inline PTX this kernel spilled at 128 registers, and with two
+  // vectors a step instead of four its forward lost 8-10 % (v15).
+  constexpr bool kPtx = sizeof(T) == 2;
   __shared__ float red[2][32];
   const int team = blockDim.x, tid = threadIdx.x;
   const int64_t cols = p.cols, step = (int64_t)team * VEC;
@@ -570,7 +579,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
         const int64_t c = c0 + u * step;
         if (c < cols) {
           const Pack<S, VEC> sp = add_chunk(xr[u], rr[u], r);
-          if (s) store_pack<VEC>(s + c, sp);
+          if (s) store_pack<VEC, kPtx>(s + c, sp);
           add_terms<VEC>(sp, p.rms, acc[0]);
         }
       }
@@ -628,7 +637,7 @@ __global__ void __launch_bounds__(kLoopThreads) fwd_loop(const fo_norm_fwd_param
             if (p.weight) o[i] *= pack_value(w, i);
             if (p.bias) o[i] += pack_value(b, i);
           }
-          store_f<VEC>(y + c, o);
+          store_f<VEC, kPtx>(y + c, o);
         }
       }
     }

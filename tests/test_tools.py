@@ -1,0 +1,37 @@
+"""The checks CI runs on the compiled kernels: tools/ptx_stores.py must flag a
+16-byte store split into 32-bit ones, and only that."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import ptx_stores  # noqa: E402
+
+HEAD = "//\n.version 9.0\n.target sm_90a\n.address_size 64\n"
+
+
+def kernel(name, body):
+    return f"\n.visible .entry {name}(\n\t.param .u64 p\n)\n{{\n{body}\n}}\n"
+
+
+SPLIT = "\n".join(f"\tst.global.u32 \t[%rd7{'+' + str(o) if o else ''}], %r{o};" for o in (0, 4, 8, 12))
+VECTOR = "\tst.global.v4.b32 \t[%rd7], {%r1, %r2, %r3, %r4};"
+SCATTERED = "\n".join(f"\tst.global.f32 \t[%rd{7 + i}+{4 * i}], %f{i};" for i in range(4))
+
+
+def test_split_store_found():
+    ptx = HEAD + kernel("_Z1av", VECTOR) + kernel("_Z1bv", SPLIT + "\n" + SPLIT)
+    assert ptx_stores.split_stores(ptx) == [("_Z1bv", 2)]
+
+
+def test_vector_and_unrelated_stores_pass():
+    assert ptx_stores.split_stores(HEAD + kernel("_Z1av", VECTOR + "\n" + SCATTERED)) == []
+
+
+def test_main_fails_unless_allowed(tmp_path, capsys):
+    bad = tmp_path / "bad.ptx"
+    bad.write_text(HEAD + kernel("_Z1bv", SPLIT))
+    assert ptx_stores.main([str(bad)]) == 1
+    assert "b(): 1 16-byte stores split" in capsys.readouterr().err  # the kernel, demangled
+    ok = tmp_path / "ok.ptx"
+    ok.write_text(HEAD + kernel("_Z1av", VECTOR))
+    assert ptx_stores.main([str(ok)]) == 0
