@@ -116,13 +116,14 @@ __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
                : "memory");
 }
 
-// A pack stored to global memory. With kPtx (the default) packs of 8 bytes
-// and of 16 or more go out as one vector store each (STG.64 / STG.128) in
-// inline PTX. Assigned as uint4 or uint2, NVVM split some of them into 32-bit
-// stores, four STG.E a 16-byte pack (so already in the PTX): half the
-// stores of fwd_regs' 32-value kernels, a quarter to all of swiglu's backward
-// (docs/perf-notes.md, v15). !kPtx keeps the assignment, for the kernels
-// where the inline PTX measured slower or spilled (and for shared memory).
+// A pack stored to global memory (with kPtx, global only: st.global). With
+// kPtx (the default) packs of 8 bytes and of 16 or more go out as one vector
+// store each (STG.64 / STG.128) in inline PTX. Assigned as uint4 or uint2,
+// NVVM split some of them into 32-bit stores, four STG.E a 16-byte pack (so
+// already in the PTX): half the stores of fwd_regs' 32-value kernels, a
+// quarter to all of swiglu's backward (docs/perf-notes.md, v15). !kPtx keeps
+// the assignment, for the kernels where the inline PTX measured slower or
+// spilled; tools/ptx_stores.py (CI) names any split store left.
 template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
   if constexpr (sizeof(pk) % 16 == 0) {
