@@ -17,8 +17,30 @@ import sysconfig
 
 from setuptools import setup
 
-import torch
-from torch.utils import cpp_extension
+
+def locate_cuda_home():
+    """Sets CUDA_HOME to the toolkit of the nvcc on PATH, unless CUDA_HOME or
+    CUDA_PATH is set. torch's build helpers otherwise take the directory above
+    nvcc's: where nvcc on PATH is a wrapper script (/usr/local/bin/nvcc that
+    runs /usr/local/cuda-13.0/bin/nvcc) that is /usr/local, which has no
+    lib64/libcudart, and the link fails. nvcc -dryrun names its own bin
+    directory (_HERE_)."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or os.environ.get("FUSEDOPS_CUDA") == "0":
+        return
+    try:
+        err = subprocess.run(["nvcc", "-dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=120).stderr
+    except (OSError, subprocess.SubprocessError):
+        return  # no nvcc on PATH: torch's own search decides
+    here = re.search(r"^#\$ _HERE_=(.+)$", err, re.M)
+    if here:
+        os.environ["CUDA_HOME"] = os.path.dirname(os.path.abspath(here[1].strip()))
+
+
+locate_cuda_home()
+
+import torch  # noqa: E402  (after CUDA_HOME: torch.utils.cpp_extension reads it on import)
+from torch.utils import cpp_extension  # noqa: E402
 
 TORCH_TARGET = "0x020B000000000000"  # torch 2.11: the oldest release the binary serves
 HERE = os.path.dirname(os.path.abspath(__file__))
