@@ -5,6 +5,7 @@ Switches (environment):
   FUSEDOPS_CUDA=0|1       force a CPU-only build / require CUDA (default: build CUDA
                           kernels when torch has CUDA and nvcc is found)
   TORCH_CUDA_ARCH_LIST    GPU targets (default "8.0;9.0")
+  CUDA_HOME               the toolkit (default: that of the nvcc on PATH, locate_cuda_home)
   MAX_JOBS                parallel compile jobs
 """
 import glob
