@@ -26,9 +26,10 @@ def split_stores(ptx):
         name = re.search(r"\.entry\s+(\S+?)\(", entry).group(1)
         seen, n = {}, 0
         for m in STORE.finditer(entry):
+            off = int(m.group(2) or 0)
             offs = seen.setdefault(m.group(1), set())
-            offs.add(int(m.group(2) or 0))
-            if int(m.group(2) or 0) == 12 and {0, 4, 8} <= offs:
+            offs.add(off)
+            if off == 12 and {0, 4, 8} <= offs:
                 n += 1
                 offs.clear()
         if n:
@@ -37,6 +38,8 @@ def split_stores(ptx):
 
 
 def demangle(names):
+    if not names:
+        return []
     try:
         r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True)
         return r.stdout.split("\n")[:len(names)]
