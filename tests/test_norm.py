@@ -329,7 +329,55 @@ def test_forward_plans_cuda(env):
     blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
     FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
     0 none (fwd_regs' 1024-thread teams and fwd_pipe run them)."""
-    _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda)")
+    _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda) "
+                         "or test_back_to_back")
+
+
+# One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
+# bwd_regs (4096), fwd_loop, bwd_loop and dwdb_cols (4099: one element a load),
+# fwd_park under FUSEDOPS_NORM_PARK=2 (32768; test_forward_plans_cuda), the
+# cluster pipes (65536); colsum after every backward.
+BACK_TO_BACK = [(2048, 1024), (1024, 4096), (512, 4099), (96, 32768), (48, 65536)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("rms_", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("shape", BACK_TO_BACK, ids=[f"{r}x{c}" for r, c in BACK_TO_BACK])
+def test_back_to_back_cuda(shape, rms_):
+    """Forward and backward calls that each read what the call before wrote,
+    queued with no synchronization, give bitwise what the same calls give one
+    at a time, and so does the chain captured in a CUDA graph and replayed:
+    every kernel and workspace is ordered on the caller's stream, and the
+    allocator hands freed memory straight back to the next call."""
+    rows, cols = shape
+    gen = torch.Generator(device="cuda").manual_seed(rows * cols + rms_)
+    x, r = (torch.randn(rows, cols, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(cols, device="cuda", generator=gen)).bfloat16()
+    b = None if rms_ else (0.1 * torch.randn(cols, device="cuda", generator=gen)).bfloat16()
+
+    def chain(sync):
+        xs, rs, out = x, r, []
+        for _ in range(6):
+            y, s, mean, rstd = ops.add_norm_fwd(xs, rs, w, b, 1e-5, rms_, False)
+            if sync:
+                torch.cuda.synchronize()
+            dx, dw, db = ops.add_norm_bwd(y, s, s, w, b, mean, rstd, rms_, True, b is not None)
+            if sync:
+                torch.cuda.synchronize()
+            out += [dw, db]
+            xs, rs = dx, y
+        return out + [y, s, xs]
+
+    want, got = chain(True), chain(False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(want[-1].float()).all()
+    for how, outs in (("queued", got), ("graph", captured)):
+        for i, (a, g) in enumerate(zip(want, outs)):
+            assert torch.equal(bits(a), bits(g)), f"{shape} {'rms' if rms_ else 'ln'} {how}: output {i}"
 
 
 def _stats64(s, eps, rms):
