@@ -330,7 +330,7 @@ def test_forward_plans_cuda(env):
     FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
     0 none (fwd_regs' 1024-thread teams and fwd_pipe run them)."""
     _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda) "
-                         "or test_back_to_back")
+                         "or test_back_to_back or (test_s_is_eager_sum and cuda)")
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
@@ -378,6 +378,51 @@ def test_back_to_back_cuda(shape, rms_):
     for how, outs in (("queued", got), ("graph", captured)):
         for i, (a, g) in enumerate(zip(want, outs)):
             assert torch.equal(bits(a), bits(g)), f"{shape} {'rms' if rms_ else 'ln'} {how}: output {i}"
+
+
+# One width for each forward kernel that adds x and residual of one 16-bit
+# dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 1024), fwd_regs with
+# one, two and four chunks a thread (4096, 8192, 16384), fwd_park (32768; every
+# row under FUSEDOPS_NORM_PARK=2, test_forward_plans_cuda), fwd_loop (4099:
+# one element a load) and the pipe (65536).
+EAGER_SUM_WIDTHS = [256, 512, 1024, 4096, 8192, 16384, 32768, 4099, 65536]
+
+
+@pytest.mark.parametrize("rms_", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("cols", EAGER_SUM_WIDTHS)
+def test_s_is_eager_sum(device, cols, dtype, rms_):
+    """s is bitwise eager's x + residual (the fp32 sum rounded once to the
+    dtype), with and without a weight, for values whose exponents lie far apart
+    (one far below the other's last bit, and every distance between), with
+    subnormals, and with sums that fall exactly halfway between two values of
+    the dtype (rounded to even)."""
+    if torch.device(device).type == "cpu" and cols > 8192:
+        pytest.skip("the CPU kernel has one code path for every width")
+    rows = 3 if cols > 8192 else 40
+    gen = torch.Generator(device=device).manual_seed(cols * 4 + 2 * rms_ + (dtype == torch.float16))
+    lo, hi = (-134, 40) if dtype == torch.bfloat16 else (-26, 10)  # down to subnormals
+
+    def spread():
+        e = torch.randint(lo, hi, (rows, cols), device=device, generator=gen).double()
+        return (torch.randn(rows, cols, device=device, generator=gen, dtype=torch.float64) * e.exp2()).to(dtype)
+    x, r = spread(), spread()
+    # A quarter of the residuals: half an ulp of x (a tie to round to even), or
+    # that and a quarter ulp more (just past it), with either sign.
+    ulp = torch.where(x == 0, 1.0, x.double().abs()).log2().floor().exp2() * torch.finfo(dtype).eps
+    half = ulp / 2 * torch.where(torch.rand(rows, cols, device=device, generator=gen) < 0.5, 1.0, 1.5)
+    sign = torch.where(torch.rand(rows, cols, device=device, generator=gen) < 0.5, -1.0, 1.0)
+    tie = (torch.rand(rows, cols, device=device, generator=gen) < 0.25) & (x != 0)
+    r = torch.where(tie, (sign * half).to(dtype), r)
+    want = x + r  # eager: fp32 sum, rounded
+    assert torch.isfinite(want).all()
+    w = (1 + 0.1 * torch.randn(cols, device=device, generator=gen)).to(dtype)
+    b = None if rms_ else (0.1 * torch.randn(cols, device=device, generator=gen)).to(dtype)
+    for weight, bias in ((w, b), (None, None)):
+        _, s, _, _ = ops.add_norm_fwd(x, r, weight, bias, 1e-5, rms_, False)
+        assert torch.equal(bits(s), bits(want)), (
+            f"{cols} {dtype_id(dtype)} {'rms' if rms_ else 'ln'} weight={weight is not None}: "
+            f"{(bits(s) != bits(want)).sum().item()} of {want.numel()} values of s differ from x + residual")
 
 
 def _stats64(s, eps, rms):

@@ -184,6 +184,24 @@ __device__ __forceinline__ Pack<T, N> to_pack(const float (&v)[N]) {
   return pk;
 }
 
+// a + b rounded to T, for packs of a 16-bit T: two values an instruction
+// (HADD2; before sm_90 an FMA by one), where unpacking both, adding in fp32
+// and rounding took seven instructions a pair. One rounding of the exact sum
+// is bitwise what rounding the fp32 sum gives (eager's arithmetic): that sum
+// is exact unless the exponents differ by more than 16 (bf16) or 13 (fp16),
+// and then the smaller value is too small to move the rounding either way.
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> add_pack(const Pack<T, N> &a, const Pack<T, N> &b) {
+  static_assert(sizeof(T) == 2 && N % 2 == 0, "pairs of a 16-bit type");
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  Pack<T, N> out;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i)
+    reinterpret_cast<T2 *>(&out)[i] =
+        __hadd2_rn(reinterpret_cast<const T2 *>(&a)[i], reinterpret_cast<const T2 *>(&b)[i]);
+  return out;
+}
+
 template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
   store_pack<N, kPtx>(p, to_pack<T>(in));

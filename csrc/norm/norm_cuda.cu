@@ -100,11 +100,26 @@ __device__ __forceinline__ const auto &pick(const A &a, const B &b) {
   else return b;
 }
 
-// One chunk of s = x + residual (x alone where there is none), rounded to S.
+// Whether add_chunk adds fp16 packs as packs (add_pack): from sm_90 on. On
+// sm_80 two fp16 kernels with an fp32 weight spilled 4-8 bytes with it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHalfPacked = true;
+#else
+constexpr bool kHalfPacked = false;
+#endif
+
+// One chunk of s = x + residual (x alone where there is none), rounded to S:
+// two values an instruction where x and s are one 16-bit type (add_pack,
+// bitwise the same sum; +1.2 % of the copy at LN 512 x 32768, level
+// elsewhere: docs/perf-notes.md, v17).
 template <class T, class S, int VEC>
 __device__ __forceinline__ Pack<S, VEC> add_chunk(const Raw<T, VEC> &xw, const Raw<S, VEC> &rw, bool residual) {
   const Pack<T, VEC> xp = xw.pack();
   const Pack<S, VEC> rp = rw.pack();
+  if constexpr (std::is_same_v<T, S> && VEC % 2 == 0 &&
+                (std::is_same_v<S, __nv_bfloat16> || (std::is_same_v<S, __half> && kHalfPacked))) {
+    return residual ? add_pack(xp, rp) : xp;
+  }
   float v[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) v[i] = residual ? pack_value(xp, i) + pack_value(rp, i) : pack_value(xp, i);
@@ -275,21 +290,19 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     xr[k] = load_raw<VEC>(x + col(k));
     rr[k] = load_raw<VEC>(r + col(k));
   }
-  // s = x + residual as stored; the statistics are those of the rounded stream.
-  // RMSNorm stores s after its reduction (as Inductor's kernel does): +0.7 % of
-  // the copy at 1024 wide, level at 256 and 512. LayerNorm stores it here: held
-  // to after its reductions, its 1024-wide kernels need 92-96 registers.
+  // s = x + residual as stored (add_pack); the statistics are those of the
+  // rounded stream. RMSNorm stores s after its reduction (as Inductor's kernel
+  // does): +0.7 % of the copy at 1024 wide, level at 256 and 512. LayerNorm
+  // stores it here: held to after its reductions, its 1024-wide kernels
+  // needed 92-96 registers (with s held as fp32 values).
   T *s = static_cast<T *>(p.s) + row * COLS;
-  float v[NV][VEC];
+  Pack<T, VEC> sp[NV];
   float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const Pack<T, VEC> xp = xr[k].pack(), rp = rr[k].pack();
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) v[k][i] = pack_value(xp, i) + pack_value(rp, i);
-    if (RMS) unpack(to_pack<T>(v[k]), v[k]);  // rounded to T in place
-    else store_rounded<VEC>(s + col(k), v[k]);
-    add_terms<VEC>(v[k], RMS, sum[0]);
+    sp[k] = add_chunk(xr[k], rr[k], true);
+    if (!RMS) store_pack<VEC>(s + col(k), sp[k]);
+    add_terms<VEC>(sp[k], RMS, sum[0]);
   }
   Pack<T, VEC> w[NV], b[NV];
 #pragma unroll
@@ -299,10 +312,8 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   }
   warp_sum(sum);
   if (RMS) {
-    // Re-packed (exact: v holds T's values) rather than held: held, the packs
-    // took the 1024-wide kernel to 79 registers, or spilled under 64.
 #pragma unroll
-    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), to_pack<T>(v[k]));
+    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), sp[k]);
   }
   const float mean = RMS ? 0.f : sum[0] / COLS;
   float var = sum[0] / COLS;  // RMSNorm: the mean square
@@ -311,7 +322,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
 #pragma unroll
     for (int k = 0; k < NV; ++k)
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) sq[0] += (v[k][i] - mean) * (v[k][i] - mean);
+      for (int i = 0; i < VEC; ++i) sq[0] += (value(sp[k], i) - mean) * (value(sp[k], i) - mean);
     warp_sum(sq);
     var = sq[0] / COLS;
   }
@@ -322,7 +333,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     float o[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      o[i] = (v[k][i] - mean) * rstd * pack_value(w[k], i);
+      o[i] = (value(sp[k], i) - mean) * rstd * pack_value(w[k], i);
       if (BIAS) o[i] += pack_value(b[k], i);
     }
     store_f<VEC>(y + col(k), o);
