@@ -1118,13 +1118,6 @@ Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values, Cap
   return loop_shape(cols, c.vec);
 }
 
-int compute_major(int device) {
-  static int cache[64];
-  if (device < 0 || device >= 64) return 0;
-  if (!cache[device]) cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device);
-  return cache[device];
-}
-
 // A launch configuration of 1-D clusters of `cl` blocks, `blocks` blocks in all.
 struct ClusterLaunch {
   cudaLaunchAttribute attr[1] = {};
@@ -1272,7 +1265,7 @@ Shape pipe_shape(int64_t cols, int vec, bool vec_ok, int device) {
   if (!vec_ok || pipe_stages() < 2) return pc;
   const int64_t chunks = cols / vec, per_block = kPipeThreads * kPipeChunks;
   const int64_t cl = (chunks + per_block - 1) / per_block;
-  if (cl > 1 && (cl > 16 || compute_major(device) < 9)) return pc;
+  if (cl > 1 && (cl > 16 || compute_capability(device) < 90)) return pc;
   const int64_t slice = (chunks + cl - 1) / cl;
   return Shape{vec, kPipeChunks, (int)std::max<int64_t>(32, round_up32((slice + kPipeChunks - 1) / kPipeChunks)),
                1, (int)cl};
