@@ -11,7 +11,10 @@ forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
-timed the same way; --fwd-only skips the backward. The forward writes no
+timed the same way; with --rounds N the two forwards are timed in turn N times
+(ours, compile, ours, ...) and every figure printed: a kernel's first graph in a
+process can read 1 % above its later ones (docs/perf-notes.md, v17), so compare
+like positions. --fwd-only skips the backward. The forward writes no
 mean / rstd unless --stats (as in the suite's forward rows).
 
 Not the benchmark suite (benchmarks/): no eager, no autograd."""
@@ -39,6 +42,8 @@ def main():
     ap.add_argument("--no-dwdb", action="store_true",
                     help="backward without dweight / dbias (dx only: no partial rows, no colsum)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile's forward")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --compile: time ours and compile's forward in turn this many times")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
     ap.add_argument("--stats", action="store_true",
                     help="the forward writes mean / rstd (training); by default it does not, as in the suite's "
@@ -94,6 +99,9 @@ def main():
 
             gc = 4 * n / common.graph_time(cfwd, dev) / 1e9
             line += f"  compile {gc:5.0f} ({gc / ceiling:.2f}, ours {gf / gc:.2f}x)"
+            more = [(4 * n / common.graph_time(fn, dev) / 1e9) for _ in range(a.rounds - 1) for fn in (fwd, cfwd)]
+            if more:
+                line += "  then ours / compile " + ", ".join(f"{o:.0f} / {c:.0f}" for o, c in zip(more[::2], more[1::2]))
         if not a.fwd_only:
             tb = common.graph_time(bwd, dev)
             gb, gfb = 4 * n / tb / 1e9, 8 * n / (tf + tb) / 1e9
