@@ -291,10 +291,11 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     rr[k] = load_raw<VEC>(r + col(k));
   }
   // s = x + residual as stored (add_pack); the statistics are those of the
-  // rounded stream. RMSNorm stores s after its reduction (as Inductor's kernel
-  // does): +0.7 % of the copy at 1024 wide, level at 256 and 512. LayerNorm
-  // stores it here: held to after its reductions, its 1024-wide kernels
-  // needed 92-96 registers (with s held as fp32 values).
+  // rounded stream. RMSNorm stores s after its reduction in the source: +0.7 %
+  // of the copy at 1024 wide when it was written (v14); ptxas now issues three
+  // of the four stores before the shuffles, and forcing them after measured
+  // +0.1 % (v17). LayerNorm stores it here: held to after its reductions, its
+  // 1024-wide kernels needed 92-96 registers (with s held as fp32 values).
   T *s = static_cast<T *>(p.s) + row * COLS;
   Pack<T, VEC> sp[NV];
   float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
