@@ -12,10 +12,11 @@ forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
 timed the same way; with --rounds N the two forwards are timed in turn N times
-(ours, compile, ours, ...) and every figure printed: a kernel's first graph in a
-process can read 1 % above its later ones (docs/perf-notes.md, v17), so compare
-like positions. --fwd-only skips the backward. The forward writes no
-mean / rstd unless --stats (as in the suite's forward rows).
+(--order: "oc" ours then compile, the default; "occo" mirrored) and every
+figure printed: the first graphs timed in a process can read 1 % above later
+ones (docs/perf-notes.md, v17-v18), so compare like positions. --fwd-only
+skips the backward. The forward writes no mean / rstd unless --stats (as in
+the suite's forward rows).
 
 Not the benchmark suite (benchmarks/): no eager, no autograd."""
 import argparse
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile's forward")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --compile: time ours and compile's forward in turn this many times")
+    ap.add_argument("--order", default="oc",
+                    help="with --compile: one round's timings, o ours and c compile (e.g. occo: mirrored)")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
     ap.add_argument("--stats", action="store_true",
                     help="the forward writes mean / rstd (training); by default it does not, as in the suite's "
@@ -51,6 +54,8 @@ def main():
     ap.add_argument("--once", action="store_true",
                     help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
+    if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c"}):
+        ap.error(f"--order: o and c letters, o first, at least one c; got {a.order!r}")
     dev = torch.device("cuda")
     dt = getattr(torch, a.dtype)
     wdt = getattr(torch, a.wdtype or a.dtype)
@@ -97,11 +102,18 @@ def main():
                 x, r, w, b, *_ = sets[next(it) % len(sets)]
                 ref(x, r, w, b)
 
-            gc = 4 * n / common.graph_time(cfwd, dev) / 1e9
+            # Each letter of --order, each round: one graph captured and timed.
+            timed = {"o": [], "c": []}
+            for k, impl in enumerate(a.order * a.rounds):
+                if k == 0:
+                    timed["o"].append(gf)  # ours, timed above
+                    continue
+                timed[impl].append(4 * n / common.graph_time(fwd if impl == "o" else cfwd, dev) / 1e9)
+            gc = timed["c"][0]
             line += f"  compile {gc:5.0f} ({gc / ceiling:.2f}, ours {gf / gc:.2f}x)"
-            more = [(4 * n / common.graph_time(fn, dev) / 1e9) for _ in range(a.rounds - 1) for fn in (fwd, cfwd)]
-            if more:
-                line += "  then ours / compile " + ", ".join(f"{o:.0f} / {c:.0f}" for o, c in zip(more[::2], more[1::2]))
+            if a.rounds > 1 or len(a.order) > 2:
+                line += (f"  [{a.order} x{a.rounds}] ours " + " ".join(f"{v:.0f}" for v in timed["o"])
+                         + " / compile " + " ".join(f"{v:.0f}" for v in timed["c"]))
         if not a.fwd_only:
             tb = common.graph_time(bwd, dev)
             gb, gfb = 4 * n / tb / 1e9, 8 * n / (tf + tb) / 1e9

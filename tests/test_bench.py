@@ -1,0 +1,58 @@
+"""The benchmark suite's timing order (benchmarks/common.py): every impl's CUDA
+graph is timed twice, the impls in turn and then in reverse order, and the
+mean of the two is what the row reports. graph_time is replaced by a stand-in
+that runs the call once (so we see whose it is) and returns a figure of our
+choosing, so this runs on the CPU."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
+
+
+def make_case(ran):
+    def impl(name):
+        def fn(x):
+            ran.append(name)
+            return x + 1
+        return fn
+    x = torch.randn(64)
+    return common.Case(op="probe", shape=(64,), dtype=torch.float32, direction="fwd", nbytes=512,
+                       make_inputs=lambda grad: common.Inputs((x,)),
+                       impls={"fusedops": impl("fusedops"), "eager": impl("eager"), "other": impl("other")})
+
+
+def test_graphs_timed_in_mirrored_order_and_averaged(monkeypatch):
+    ran, order = [], []
+    seconds = iter([1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 11e-3])  # in the order graph_time is called
+
+    def fake_graph_time(fn, device, calls=10):
+        del ran[:]
+        fn()
+        order.append(ran[-1])
+        return next(seconds)
+    monkeypatch.setattr(common, "graph_time", fake_graph_time)
+    rows = common.run_case(make_case(ran), torch.device("cpu"), {"GB/s": 1.0}, use_compile=False)
+    assert order == ["fusedops", "eager", "other", "other", "eager", "fusedops"]
+    by_impl = {r["impl"]: r for r in rows}
+    for impl, (first, second) in {"fusedops": (1, 11), "eager": (2, 7), "other": (3, 5)}.items():
+        r = by_impl[impl]
+        assert r["gpu_ms_passes"] == [first, second], impl
+        assert abs(r["gpu_ms"] - (first + second) / 2) < 1e-9, impl
+        assert abs(r["gpu_GB/s"] - 512 / 1e9 / ((first + second) / 2e3)) < 1e-9, impl
+
+
+def test_first_figure_stands_where_the_second_capture_fails(monkeypatch):
+    ran = []
+    calls = iter([2e-3, None])
+
+    def fake_graph_time(fn, device, calls_=10):
+        fn()
+        return next(calls)
+    case = make_case(ran)
+    case.impls = {"fusedops": case.impls["fusedops"]}
+    monkeypatch.setattr(common, "graph_time", fake_graph_time)
+    (row,) = common.run_case(case, torch.device("cpu"), {"GB/s": 1.0}, use_compile=False)
+    assert row["gpu_ms"] == 2 and "gpu_ms_passes" not in row
