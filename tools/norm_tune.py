@@ -52,7 +52,8 @@ def main():
                     help="the forward writes mean / rstd (training); by default it does not, as in the suite's "
                          "forward rows and torch.compile's inference kernel")
     ap.add_argument("--once", action="store_true",
-                    help="run fwd, bwd and torch.compile's fwd once per shape, untimed (for ncu)")
+                    help="run fwd (as timed: statistics only with --stats), bwd (unless --fwd-only) and "
+                         "torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
     if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c"}):
         ap.error(f"--order: o and c letters, o first, at least one c; got {a.order!r}")
@@ -127,8 +128,10 @@ def once(a, dev, dt):
         x, r, dy, ds = (torch.randn(T, H, device=dev, dtype=dt) for _ in range(4))
         w = torch.randn(H, device=dev, dtype=dt)
         b = None if a.rms else torch.randn(H, device=dev, dtype=dt)
-        y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
-        ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
+        ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats)  # the forward as timed
+        if not a.fwd_only:  # the backward needs the statistics: a second forward saves them
+            y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, True)
+            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
         torch.compile(lambda *t: reference.add_norm(*t, 1e-5, a.rms))(x, r, w, b)
     torch.cuda.synchronize()
 
