@@ -40,10 +40,8 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
 //   kReadOnly  the read-only (non-coherent) path;
 //   kKeep      evict_last in L1 and L2, so that a small array read by every
 //              row (a norm's weight) stays in L1 while the rows stream
-//              through it (how Triton loads such arrays);
-//   kStream    evict_first in L1 and L2 (ld.global.cs): data the kernel
-//              touches once. store_pack takes it too (st.global.cs).
-enum Cache : int { kPlain = 0, kReadOnly = 1, kKeep = 2, kStream = 3 };
+//              through it (how Triton loads such arrays).
+enum Cache : int { kPlain = 0, kReadOnly = 1, kKeep = 2 };
 template <int kCache>
 __device__ __forceinline__ uint4 load16(const uint4 *p) {
   if constexpr (kCache == kKeep) {
@@ -60,8 +58,6 @@ __device__ __forceinline__ uint4 load16(const uint4 *p) {
 #endif
   } else if constexpr (kCache == kReadOnly) {
     return __ldg(p);
-  } else if constexpr (kCache == kStream) {
-    return __ldcs(p);
   } else {
     return *p;
   }
@@ -115,16 +111,9 @@ __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
 // PTX, with a memory clobber so that the compiler orders it as it ordered the
 // assignment. (Not __stwb: ptxas makes its st.global.wb a strong store,
 // STG.E.128.STRONG.SM, and it measured up to 1 % slower.)
-// kStream: st.global.cs, evict-first (see Cache).
-template <int kCache = kPlain>
 __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
-  static_assert(kCache == kPlain || kCache == kStream, "a store is plain or streaming");
-  if constexpr (kCache == kStream)
-    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-  else
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // A pack stored to global memory (with kPtx, global only: st.global). With
@@ -134,16 +123,14 @@ __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
 // already in the PTX): half the stores of fwd_regs' 32-value kernels, a
 // quarter to all of swiglu's backward (docs/perf-notes.md, v15). !kPtx keeps
 // the assignment, for the kernels where the inline PTX measured slower or
-// spilled; tools/ptx_stores.py (CI) names any split store left. kStream
-// (with kPtx, packs of 16 bytes or more): streaming stores.
-template <int N, bool kPtx = true, int kCache = kPlain, class T>
+// spilled; tools/ptx_stores.py (CI) names any split store left.
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
-  static_assert(kCache == kPlain || (kPtx && sizeof(pk) % 16 == 0), "streaming stores are 16-byte inline PTX");
   if constexpr (sizeof(pk) % 16 == 0) {
 #pragma unroll
     for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) {
       const uint4 v = reinterpret_cast<const uint4 *>(&pk)[j];
-      if constexpr (kPtx) store16<kCache>(reinterpret_cast<uint4 *>(p) + j, v);
+      if constexpr (kPtx) store16(reinterpret_cast<uint4 *>(p) + j, v);
       else reinterpret_cast<uint4 *>(p)[j] = v;
     }
   } else if constexpr (kPtx && sizeof(pk) == 8) {
@@ -215,9 +202,9 @@ __device__ __forceinline__ Pack<T, N> add_pack(const Pack<T, N> &a, const Pack<T
   return out;
 }
 
-template <int N, bool kPtx = true, int kCache = kPlain, class T>
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
-  store_pack<N, kPtx, kCache>(p, to_pack<T>(in));
+  store_pack<N, kPtx>(p, to_pack<T>(in));
 }
 
 // Stores v as T and leaves in v what was stored (the values rounded to T):

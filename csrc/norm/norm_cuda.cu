@@ -274,9 +274,7 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
 // weight and bias are loaded after s's sum with evict_last (kKeep), so that
 // they stay in L1 while the rows stream through it. Measured against fwd_regs
 // (v12d): +0.2 to +0.6 % of the copy; in fwd_regs, with the width known only at
-// run time, neither the shape nor the late loads gained. x and residual are
-// loaded and s and y stored streaming (kStream, evict-first): +0.2 to +1.2 %
-// (v19); the hints on the loads alone or the stores alone lost (v18).
+// run time, neither the shape nor the late loads gained.
 template <class T, int COLS, bool RMS, bool BIAS>
 __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   constexpr int VEC = 8, NV = COLS / (32 * VEC);
@@ -289,8 +287,8 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   Raw<T, VEC> xr[NV], rr[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    xr[k] = load_raw<VEC, kStream>(x + col(k));
-    rr[k] = load_raw<VEC, kStream>(r + col(k));
+    xr[k] = load_raw<VEC>(x + col(k));
+    rr[k] = load_raw<VEC>(r + col(k));
   }
   // s = x + residual as stored (add_pack); the statistics are those of the
   // rounded stream. RMSNorm stores s after its reduction in the source: +0.7 %
@@ -304,7 +302,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     sp[k] = add_chunk(xr[k], rr[k], true);
-    if (!RMS) store_pack<VEC, true, kStream>(s + col(k), sp[k]);
+    if (!RMS) store_pack<VEC>(s + col(k), sp[k]);
     add_terms<VEC>(sp[k], RMS, sum[0]);
   }
   Pack<T, VEC> w[NV], b[NV];
@@ -316,7 +314,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   warp_sum(sum);
   if (RMS) {
 #pragma unroll
-    for (int k = 0; k < NV; ++k) store_pack<VEC, true, kStream>(s + col(k), sp[k]);
+    for (int k = 0; k < NV; ++k) store_pack<VEC>(s + col(k), sp[k]);
   }
   const float mean = RMS ? 0.f : sum[0] / COLS;
   float var = sum[0] / COLS;  // RMSNorm: the mean square
@@ -339,7 +337,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
       o[i] = (value(sp[k], i) - mean) * rstd * pack_value(w[k], i);
       if (BIAS) o[i] += pack_value(b[k], i);
     }
-    store_f<VEC, true, kStream>(y + col(k), o);
+    store_f<VEC>(y + col(k), o);
   }
   if (lane == 0) save_stats(p, row, mean, rstd);
 }
