@@ -154,6 +154,20 @@ __device__ __forceinline__ float pack_value(const Pack<T, N> &pk, int i) {
   }
 }
 
+// pack_value(pk, i) again, by another instruction (bf16 pairs: PRMT, not a
+// shift or a mask), for a pass that comes after pk's values were unpacked
+// once: ptxas then keeps the packed word live rather than every float it
+// unpacked before (one register for two values). Other types: pack_value.
+template <class T, int N>
+__device__ __forceinline__ float pack_value_again(const Pack<T, N> &pk, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    const uint32_t w = reinterpret_cast<const uint32_t *>(&pk)[i / 2];
+    return __uint_as_float(__byte_perm(w, 0u, i % 2 ? 0x3254 : 0x1054));  // w's high / low half, over zeros
+  } else {
+    return pack_value(pk, i);
+  }
+}
+
 template <int N, class T>
 __device__ __forceinline__ void unpack(const Pack<T, N> &pk, float (&out)[N]) {
 #pragma unroll
