@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
   const float rstd = rsqrtf(var + p.eps);
   // s's values again from its packs (pack_value_again): bf16 RMSNorm at 1024
   // wide then takes 64 registers, not 71 (32 blocks an SM, not 28), and read
-  // +0.45 % of the copy in the suite, level at the other widths (v20).
+  // 0.45 % faster in the suite, level at the other widths (v20).
   T *y = static_cast<T *>(p.y) + row * COLS;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
