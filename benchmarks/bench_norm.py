@@ -1,7 +1,11 @@
 """Residual-add + norm, pre-norm style: s = x + r; y = norm(s); returns (y, s).
 
 Impls: fusedops.functional.fused_add_{layer,rms}_norm, eager
-fusedops.reference.add_norm, and torch.compile of the latter (added by common).
+fusedops.reference.add_norm, and torch.compile of the latter (added by common);
+on a GPU also compile_exact, torch.compile with Inductor's
+emulate_precision_casts: by default Inductor normalises the unrounded x + r,
+with that option it normalises s as stored (bf16), as eager and fusedops do
+(docs/perf-notes.md, v21).
 
 Bytes (ANCHORS.md): the forward reads x, r and writes y, s (4N elements); the
 backward reads dy, ds, s and writes dx (4N more, so fwd+bwd counts 8N).
@@ -71,7 +75,16 @@ def _dtypes(device, quick):
     return [torch.float32] if quick else [torch.float32, torch.bfloat16, torch.float16]
 
 
+# compile_exact: torch.compile computing eager's y (s rounded before it is
+# normalised). Not on the CPU, where each compile takes seconds.
+EXACT = {"compile_exact": {"emulate_precision_casts": True}}
+EXACT_NOTE = ("compile_exact: torch.compile with emulate_precision_casts, which normalises s as "
+              "stored (bf16), as eager and fusedops do; compile normalises the unrounded x + r "
+              "(about twice the error in y against float64).")
+
+
 def cases(device, quick, sweep):
+    gpu = device.type == "cuda"
     out = []
     for op, rms in NORMS.items():
         fused, eager = _fns(rms)
@@ -80,6 +93,7 @@ def cases(device, quick, sweep):
                 make = _maker(shape, dtype, device, rms)
                 n = shape[0] * shape[1] * dtype.itemsize
                 out += [Case(op, shape, dtype, d, ELEMENTS_MOVED[d] * n, make,
-                             {"fusedops": fused, "eager": eager})
+                             {"fusedops": fused, "eager": eager},
+                             note=EXACT_NOTE if gpu else "", compile_options=EXACT if gpu else {})
                         for d in ELEMENTS_MOVED]
     return out

@@ -66,7 +66,8 @@ class Case:
     against the matmul ceiling. min_sets: input sets to rotate through at the
     least (1 for cases far larger than the L2 that cannot afford two copies);
     note: a line for the report saying what the columns hold where that is not
-    the default."""
+    the default; compile_options: further torch.compile impls of eager, name ->
+    Inductor options, each a column after compile's."""
     op: str
     shape: tuple
     dtype: torch.dtype
@@ -77,6 +78,7 @@ class Case:
     flops: Optional[float] = None
     min_sets: int = 2
     note: str = ""
+    compile_options: dict = field(default_factory=dict)
 
     @property
     def unit(self):
@@ -282,8 +284,10 @@ def steady_host_allocator():
 
 
 # ---------------------------------------------------------------- torch.compile
-def compiled(fn):
-    """torch.compile(fn), default mode, static shapes. Where compile cannot
+def compiled(fn, options=None):
+    """torch.compile(fn), default mode, static shapes, with Inductor options if
+    given (then through a wrapper of its own, so that its dynamo cache entry is
+    not the plain compile's of the same fn). Where compile cannot
     even be set up here (an unsupported Python, say), a stand-in that raises
     the same error when called, so the case records n/a and the suite goes on.
     Most failures (no C++ compiler, an inductor bug) only show at the first
@@ -293,7 +297,12 @@ def compiled(fn):
     # silently fall back to eager.
     torch._dynamo.reset()
     try:
-        return torch.compile(fn, dynamic=False)
+        if not options:
+            return torch.compile(fn, dynamic=False)
+
+        def own(*args):
+            return fn(*args)
+        return torch.compile(own, dynamic=False, options=options)
     except Exception as e:  # noqa: BLE001
         error = _short_error(e)
 
@@ -319,8 +328,11 @@ def _step(fn, direction):
 
 def _candidates(case, use_compile):
     fns = dict(case.impls)
-    if use_compile and "compile" not in fns and "eager" in fns:
-        fns["compile"] = compiled(case.impls["eager"])
+    if use_compile and "eager" in fns:
+        if "compile" not in fns:
+            fns["compile"] = compiled(fns["eager"])
+        for name, options in case.compile_options.items():
+            fns[name] = compiled(fns["eager"], options)
     return fns
 
 

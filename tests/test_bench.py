@@ -56,3 +56,31 @@ def test_first_figure_stands_where_the_second_capture_fails(monkeypatch):
     monkeypatch.setattr(common, "graph_time", fake_graph_time)
     (row,) = common.run_case(case, torch.device("cpu"), {"GB/s": 1.0}, use_compile=False)
     assert row["gpu_ms"] == 2 and "gpu_ms_passes" not in row
+
+
+def test_compile_variants_are_columns_after_compile(monkeypatch):
+    seen = []
+
+    def fake_compile(fn, dynamic=None, options=None):
+        seen.append(options)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    case = make_case([])
+    case.compile_options = {"exact": {"emulate_precision_casts": True}}
+    fns = common._candidates(case, use_compile=True)
+    assert list(fns) == ["fusedops", "eager", "other", "compile", "exact"]
+    assert seen == [None, {"emulate_precision_casts": True}]
+    x = torch.randn(5)
+    assert torch.equal(fns["exact"](x), x + 1)  # eager's function, through its own wrapper
+    assert list(common._candidates(case, use_compile=False)) == ["fusedops", "eager", "other"]
+
+
+def test_norm_cases_ask_inductor_for_an_option_it_has():
+    import torch._inductor.config as inductor_config
+    from benchmarks import bench_norm
+    gpu_cases = bench_norm.cases(torch.device("cuda"), quick=True, sweep=False)
+    assert gpu_cases and all(c.compile_options == bench_norm.EXACT for c in gpu_cases)
+    for options in bench_norm.EXACT.values():
+        for key, value in options.items():
+            assert type(getattr(inductor_config, key)) is type(value), key
+    assert not any(c.compile_options for c in bench_norm.cases(torch.device("cpu"), quick=True, sweep=False))

@@ -11,12 +11,15 @@ forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
-timed the same way; with --rounds N the two forwards are timed in turn N times
-(--order: "oc" ours then compile, the default; "occo" mirrored) and every
-figure printed: the first graphs timed in a process can read 1 % above later
-ones (docs/perf-notes.md, v17-v18), so compare like positions. --fwd-only
-skips the backward. The forward writes no mean / rstd unless --stats (as in
-the suite's forward rows).
+timed the same way; with --rounds N the forwards are timed in turn N times
+(--order: "oc" ours then compile, the default; "occo" mirrored; an "e" adds
+torch.compile with emulate_precision_casts, Inductor's mode that rounds s to
+bf16 / fp16 before normalising it, as eager and fusedops do) and every figure
+printed: the first graphs timed in a process can read 1 % above later ones
+(docs/perf-notes.md, v17-v18), so compare like positions. With --compile each
+forward's largest error in y against float64 LayerNorm / RMSNorm of eager's
+s is printed too. --fwd-only skips the backward. The forward writes no mean /
+rstd unless --stats (as in the suite's forward rows).
 
 Not the benchmark suite (benchmarks/): no eager, no autograd."""
 import argparse
@@ -55,8 +58,8 @@ def main():
                     help="run fwd (as timed: statistics only with --stats), bwd (unless --fwd-only) and "
                          "torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
-    if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c"}):
-        ap.error(f"--order: o and c letters, o first, at least one c; got {a.order!r}")
+    if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c", "e"}):
+        ap.error(f"--order: letters o, c and e, o first, at least one c; got {a.order!r}")
     dev = torch.device("cuda")
     dt = getattr(torch, a.dtype)
     wdt = getattr(torch, a.wdtype or a.dtype)
@@ -88,6 +91,7 @@ def main():
         def fwd():
             x, r, w, b, *_ = sets[next(it) % len(sets)]
             ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats)
+        fwd.fn = lambda x, r, w, b: ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
 
         def bwd():
             x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
@@ -97,29 +101,54 @@ def main():
         gf = 4 * n / tf / 1e9
         line = f"values={tag} {'rms' if a.rms else 'ln'} {shape:>11} {a.dtype}{'/' + a.wdtype if a.wdtype else ''}: fwd {gf:5.0f} GB/s ({gf / ceiling:.2f})"
         if a.compile:
-            ref = common.compiled(lambda x, r, w, b: reference.add_norm(x, r, w, b, 1e-5, a.rms))
-
-            def cfwd():
-                x, r, w, b, *_ = sets[next(it) % len(sets)]
-                ref(x, r, w, b)
-
+            def ref_fn(x, r, w, b):
+                return reference.add_norm(x, r, w, b, 1e-5, a.rms)
+            forwards = {"o": fwd, "c": compiled_fwd(sets, it, common.compiled(ref_fn))}
+            if "e" in a.order:  # no dynamo reset here: it would drop compile's kernel
+                forwards["e"] = compiled_fwd(sets, it, torch.compile(
+                    ref_fn, dynamic=False, options={"emulate_precision_casts": True}))
             # Each letter of --order, each round: one graph captured and timed.
-            timed = {"o": [], "c": []}
+            timed = {k: [] for k in forwards}
             for k, impl in enumerate(a.order * a.rounds):
                 if k == 0:
                     timed["o"].append(gf)  # ours, timed above
                     continue
-                timed[impl].append(4 * n / common.graph_time(fwd if impl == "o" else cfwd, dev) / 1e9)
+                timed[impl].append(4 * n / common.graph_time(forwards[impl], dev) / 1e9)
             gc = timed["c"][0]
             line += f"  compile {gc:5.0f} ({gc / ceiling:.2f}, ours {gf / gc:.2f}x)"
             if a.rounds > 1 or len(a.order) > 2:
-                line += (f"  [{a.order} x{a.rounds}] ours " + " ".join(f"{v:.0f}" for v in timed["o"])
-                         + " / compile " + " ".join(f"{v:.0f}" for v in timed["c"]))
+                line += f"  [{a.order} x{a.rounds}] " + " / ".join(
+                    f"{_NAMES[k]} " + " ".join(f"{v:.0f}" for v in timed[k]) for k in timed)
+            line += "  max |y err| " + " / ".join(
+                f"{_NAMES[k]} {y_error(sets[0], forwards[k].fn, a.rms):.4g}" for k in timed)
         if not a.fwd_only:
             tb = common.graph_time(bwd, dev)
             gb, gfb = 4 * n / tb / 1e9, 8 * n / (tf + tb) / 1e9
             line += f"  bwd {gb:5.0f} ({gb / ceiling:.2f})  fwd+bwd {gfb:5.0f} ({gfb / ceiling:.2f})"
         print(line + f"  [ceiling {ceiling:.0f}]", flush=True)
+
+
+_NAMES = {"o": "ours", "c": "compile", "e": "compile-exact"}
+
+
+def compiled_fwd(sets, it, fn):
+    """A forward over the rotating sets calling fn (a compiled reference); fn
+    is kept on it as .fn, for y_error."""
+    def run():
+        x, r, w, b, *_ = sets[next(it) % len(sets)]
+        fn(x, r, w, b)
+    run.fn = fn
+    return run
+
+
+def y_error(one_set, fn, rms):
+    """The largest |y - y64| of fn over one input set; y64: LayerNorm / RMSNorm
+    in float64 of s = x + residual rounded as eager rounds it."""
+    x, r, w, b, *_ = one_set
+    y = fn(x, r, w, b)[0]
+    s = (x + r).double()
+    y64 = reference.add_norm(s, None, w.double(), None if b is None else b.double(), 1e-5, rms)[0]
+    return (y.double() - y64).abs().max().item()
 
 
 def once(a, dev, dt):
