@@ -256,10 +256,14 @@ PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, r
 # constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
 # row, a few, and thousands. Beside them, calls at those widths that
 # fwd_narrow leaves to fwd_regs: no weight, fp32 weight, fp32 residual, no
-# residual.
+# residual. With statistics (the backward's forward), rows of 256 and
+# LayerNorm's of 512 run eight to a block: row counts of whole blocks and of
+# a last block part full.
 NARROW_CASES = ([ln((2, 700, 512), torch.bfloat16), ln((3, 256), torch.float16, bias=False),
                  rms((1, 1024), torch.bfloat16), rms((4000, 256), torch.float16),
-                 ln((1500, 1024), torch.float16), rms((5, 512), torch.bfloat16)]
+                 ln((1500, 1024), torch.float16), rms((5, 512), torch.bfloat16),
+                 ln((13, 512), torch.bfloat16), ln((1001, 256), torch.bfloat16),
+                 rms((9, 256), torch.bfloat16)]
                 + [ln((33, 1024), torch.bfloat16, weight=False), ln((33, 256), torch.bfloat16, param="fp32"),
                    rms((33, 512), torch.float16, residual="fp32"), rms((33, 1024), torch.bfloat16, residual="none")])
 
@@ -323,14 +327,15 @@ def test_backward_plans_cuda(env):
 
 
 @requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0"])
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0", "FUSEDOPS_NORM_STATS_BLOCK=0"])
 def test_forward_plans_cuda(env):
     """fwd_park runs by default only where its rows fill its last wave of
     blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
     FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
-    0 none (fwd_regs' 1024-thread teams and fwd_pipe run them)."""
+    0 none (fwd_regs' 1024-thread teams and fwd_pipe run them). With
+    FUSEDOPS_NORM_STATS_BLOCK=0 training's narrow rows run a block a row."""
     _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda) "
-                         "or test_back_to_back or (test_s_is_eager_sum and cuda)")
+                         "or test_back_to_back or (test_s_is_eager_sum and cuda) or test_narrow_rows")
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and

@@ -6,7 +6,8 @@ launch plan aims for, norm_cuda.cu), FUSEDOPS_NORM_STAGES (rows the pipe
 kernels stage), FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
 past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
 forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
-512-wide fwd_narrow with the driver's L1 size) to compare plans:
+512-wide fwd_narrow with the driver's L1 size) or FUSEDOPS_NORM_STATS_BLOCK=0
+(training's narrow forward a block a row) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -73,7 +74,7 @@ def main():
         tag += " stats"
     for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
                       ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
-                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1")):
+                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

@@ -35,7 +35,9 @@ def norm_cases():
     misaligned widths: one element a step; rows wider than the registers take:
     16-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
     with: two an SM), fwd_narrow (rows of 512 and 1024 16-bit values, one row
-    stride its own), dweight / dbias partials and their column sums."""
+    stride its own; eight rows of 256 or LayerNorm's 512 a block, the last
+    block part full, statistics gathered in shared memory), dweight / dbias
+    partials and their column sums."""
     ln, rms = test_norm.ln, test_norm.rms
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
     return [(rms((2 * sms, 32768), BF16), []),
@@ -47,6 +49,7 @@ def norm_cases():
             (rms((3, 7), F16, residual="fp32"), []),
             (rms((37, 512), BF16), [("x", "rowstep")]),
             (ln((5, 3, 1024), F16), []),
+            (ln((13, 256), BF16), []), (ln((11, 512), F16, bias=False), []),
             (rms((4, 6, 1000), BF16), [("x", "slice_misaligned"), ("gy", "rowstep")]),
             (ln((24, 1000), BF16, weight=False), [("x", "rowstep"), ("residual", "expand")])]
 

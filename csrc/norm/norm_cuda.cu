@@ -270,17 +270,16 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
 // Rows of 256, 512 or 1024 16-bit values with a residual and a weight (a
 // pre-norm transformer's call; x, s and weight of one dtype): fwd_regs' work
 // in the shape Inductor compiles for such rows, with the width a constant.
-// One warp a row and a block, COLS / 256 chunks a thread, no guards; the
-// weight and bias are loaded after s's sum with evict_last (kKeep), so that
-// they stay in L1 while the rows stream through it. Measured against fwd_regs
-// (v12d): +0.2 to +0.6 % of the copy; in fwd_regs, with the width known only at
-// run time, neither the shape nor the late loads gained.
+// One warp a row, COLS / 256 chunks a thread, no guards; the weight and bias
+// are loaded after s's sum with evict_last (kKeep), so that they stay in L1
+// while the rows stream through it. Measured against fwd_regs (v12d): +0.2 to
+// +0.6 % of the copy; in fwd_regs, with the width known only at run time,
+// neither the shape nor the late loads gained. narrow_row is one warp's row:
+// s and y stored, its mean and rstd returned.
 template <class T, int COLS, bool RMS, bool BIAS>
-__global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
+__device__ __forceinline__ float2 narrow_row(const fo_norm_fwd_params &p, int64_t row, int lane) {
   constexpr int VEC = 8, NV = COLS / (32 * VEC);
   static_assert(NV * 32 * VEC == COLS && sizeof(T) == 2, "whole 16-bit rows");
-  const int lane = threadIdx.x;
-  const int64_t row = blockIdx.x;
   auto col = [&](int k) { return (k * 32 + lane) * VEC; };
   const T *x = static_cast<const T *>(p.x) + row * p.x_stride;
   const T *r = static_cast<const T *>(p.residual) + row * p.res_stride;
@@ -342,7 +341,38 @@ __global__ void __launch_bounds__(32) fwd_narrow(const fo_norm_fwd_params p) {
     }
     store_f<VEC>(y + col(k), o);
   }
-  if (lane == 0) save_stats(p, row, mean, rstd);
+  return make_float2(mean, rstd);
+}
+
+// fwd_narrow: RB rows a block, one a warp. RB 1: a block a row, as Inductor
+// runs these rows; lane 0 stores the row's statistics (if asked for). RB 8
+// (training's forward at 256 wide, and LayerNorm's at 512): the block's mean
+// and rstd are gathered in shared memory and each array goes out as one
+// 32-byte store, a whole sector, where one 4-byte store a row cost LayerNorm
+// at 256 wide 1.3 % beyond the bytes it adds (docs/perf-notes.md, v21).
+template <class T, int COLS, bool RMS, bool BIAS, int RB>
+__global__ void __launch_bounds__(32 * RB) fwd_narrow(const fo_norm_fwd_params p) {
+  if constexpr (RB == 1) {
+    const float2 st = narrow_row<T, COLS, RMS, BIAS>(p, blockIdx.x, threadIdx.x);
+    if (threadIdx.x == 0) save_stats(p, blockIdx.x, st.x, st.y);
+  } else {
+    __shared__ float stats[2][RB];  // [mean, rstd][warp]
+    const int warp = threadIdx.x / 32;
+    const int64_t row0 = (int64_t)blockIdx.x * RB;
+    if (row0 + warp < p.rows) {
+      const float2 st = narrow_row<T, COLS, RMS, BIAS>(p, row0 + warp, threadIdx.x % 32);
+      if (threadIdx.x % 32 == 0) {
+        stats[0][warp] = st.x;
+        stats[1][warp] = st.y;
+      }
+    }
+    __syncthreads();
+    const int k = threadIdx.x % RB;  // threads 0..RB-1: mean; RB..2RB-1: rstd
+    if (threadIdx.x < 2 * RB && row0 + k < p.rows) {
+      float *out = threadIdx.x < RB ? p.mean : p.rstd;
+      if (out) out[row0 + k] = stats[threadIdx.x / RB][k];
+    }
+  }
 }
 
 // Rows of 16K-32K 16-bit values (x and s of one dtype): a block of at most
@@ -1362,13 +1392,33 @@ int small_l1() {
   return n;
 }
 
+// Whether training's narrow forward runs eight rows a block (fwd_narrow's RB
+// 8, whole-sector statistics stores): 1 (the default) or 0, a block a row as
+// in inference, for tuning. FUSEDOPS_NORM_STATS_BLOCK overrides it.
+int stats_block() {
+  static const int n = env_int("FUSEDOPS_NORM_STATS_BLOCK", 0, 1, 1);
+  return n;
+}
+
 template <class T>
 void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
   auto run = [&](auto cols) {
     constexpr int C = decltype(cols)::value;
     const int variant = p->rms ? 0 : p->bias ? 1 : 2;
-    auto *k = variant == 0 ? fwd_narrow<T, C, true, false> : variant == 1 ? fwd_narrow<T, C, false, true>
-                                                                          : fwd_narrow<T, C, false, false>;
+    // Eight rows a block where statistics are stored, at 256 wide and for
+    // LayerNorm at 512 (whole-sector statistics stores measured +0.5 to +1.7 %
+    // there; at 1024, and RMSNorm's 512, a block a row stayed 0.1-0.7 % ahead).
+    if constexpr (C == 256 || C == 512) {
+      if (p->rstd && (C == 256 || !p->rms) && stats_block()) {
+        constexpr int RB = 8;  // (RMSNorm's kernel is named at 256 only: at 512 it is not run)
+        auto *k = variant == 0 ? fwd_narrow<T, 256, true, false, RB>
+                  : variant == 1 ? fwd_narrow<T, C, false, true, RB> : fwd_narrow<T, C, false, false, RB>;
+        k<<<(unsigned)((p->rows + RB - 1) / RB), 32 * RB, 0, st>>>(*p);
+        return;
+      }
+    }
+    auto *k = variant == 0 ? fwd_narrow<T, C, true, false, 1> : variant == 1 ? fwd_narrow<T, C, false, true, 1>
+                                                                             : fwd_narrow<T, C, false, false, 1>;
     // At 512 wide the smallest L1 (the carveout at 228 KB of an H100 SM's 256)
     // measured +0.7 % of the copy for RMSNorm and +0.3 % for LayerNorm, bf16.
     // At 1024 wide it cost 0.3 % and 2.7 %, and fwd_regs and bwd_regs 1-10 %,
