@@ -348,8 +348,11 @@ __device__ __forceinline__ float2 narrow_row(const fo_norm_fwd_params &p, int64_
 // runs these rows; lane 0 stores the row's statistics (if asked for). RB 8
 // (training's forward at 256 wide, and LayerNorm's at 512): the block's mean
 // and rstd are gathered in shared memory and each array goes out as one
-// 32-byte store, a whole sector, where one 4-byte store a row cost LayerNorm
-// at 256 wide 1.3 % beyond the bytes it adds (docs/perf-notes.md, v21).
+// 32-byte store, a whole sector. A block a row, storing 4 bytes a row, cost
+// LayerNorm at 256 wide 2.1 % against the forward without statistics, whose
+// bytes are 0.8 %; RB 8 took back 1.7 % (docs/perf-notes.md, v21). Whether the
+// whole sectors or the blocks (up to 64 warps an SM at 256 wide, where blocks
+// of one warp stop at 32) did it was not separated.
 template <class T, int COLS, bool RMS, bool BIAS, int RB>
 __global__ void __launch_bounds__(32 * RB) fwd_narrow(const fo_norm_fwd_params p) {
   if constexpr (RB == 1) {
@@ -1406,8 +1409,8 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
     constexpr int C = decltype(cols)::value;
     const int variant = p->rms ? 0 : p->bias ? 1 : 2;
     // Eight rows a block where statistics are stored, at 256 wide and for
-    // LayerNorm at 512 (whole-sector statistics stores measured +0.5 to +1.7 %
-    // there; at 1024, and RMSNorm's 512, a block a row stayed 0.1-0.7 % ahead).
+    // LayerNorm at 512 (+0.5 to +1.7 % there; at 1024, and RMSNorm's 512, a
+    // block a row stayed 0.1-0.7 % ahead).
     if constexpr (C == 256 || C == 512) {
       if (p->rstd && (C == 256 || !p->rms) && stats_block()) {
         constexpr int RB = 8;  // (RMSNorm's kernel is named at 256 only: at 512 it is not run)
