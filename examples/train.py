@@ -31,7 +31,10 @@ whose parameters are DTensors: FusedAdamW updates their local shards, one launch
 per parameter group as on one GPU. --batch is the global batch: each process
 takes its slice of every batch, and the loss printed and recorded is the mean
 over all processes, so the curve is comparable with one process's over the same
-batches. Only rank 0 prints and writes.
+batches. Only rank 0 prints and writes. --micro-batches N accumulates each
+process's share of a batch in N parts; on one process, N = 2 does DDP-over-2's
+arithmetic (a half-batch mean each, then their average), the reference for
+how far rounding alone moves a curve.
 
 Checkpoints: --save-at 150 saves after step 150 of each run, into OUT/<run>-step150
 (torch.distributed.checkpoint: every process writes its shards) and/or, with
@@ -100,6 +103,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="split each process's share of a batch into N micro-batches, their gradients "
+                        "accumulated before the step: with N = 2 one process does the arithmetic of DDP "
+                        "over 2 (default %(default)s)")
     p.add_argument("--dist", choices=("none", "ddp", "fsdp"), default="none",
                    help="data parallel over the processes torchrun starts (nccl on CUDA, gloo on the CPU): "
                         "DistributedDataParallel or FSDP2 (default %(default)s)")
@@ -119,6 +126,8 @@ def parse_args(argv=None):
         if getattr(args, k) is not None:
             cfg[k] = getattr(args, k)
     args.cfg = cfg
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches: {args.micro_batches}; expected 1 or more")
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or set(args.runs) - {"pytorch", "fusedops"}:
         p.error(f"--runs: {args.runs}; expected pytorch, fusedops or both")
@@ -200,9 +209,13 @@ def train(run, args, data):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg["steps"], args.lr)
         x = data[step, mine].to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            loss = step_fn(input_ids=x, labels=x).loss
-        loss.backward()
+        loss = 0.0
+        for i, xm in enumerate(x.chunk(args.micro_batches)):  # equal micro-batches: the mean of means
+            with grad_sync(model, args, last=i == args.micro_batches - 1):
+                with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                    part = step_fn(input_ids=xm, labels=xm).loss
+                (part / args.micro_batches).backward()
+            loss = loss + part.detach() / args.micro_batches
         if args.clip > 0:  # over every process's gradients (DTensor shards under FSDP2)
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
@@ -285,6 +298,18 @@ def wrap(model, args):
     return model
 
 
+def grad_sync(model, args, last):
+    """Where a step's micro-batches run: the gradients are reduced over the
+    processes only with the last one's backward (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync); a no-op on one process."""
+    import contextlib
+    if args.dist == "ddp" and not last:
+        return model.no_sync()
+    if args.dist == "fsdp" and args.micro_batches > 1:
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
 def mean_over_processes(loss, args):
     """The loss over the global batch: the mean of the processes' (each has as
     many tokens)."""
@@ -362,6 +387,10 @@ def run_all(args):
     say(args, f"{args.device}: Llama {cfg}; loss from ln {cfg['vocab_size']} = {math.log(cfg['vocab_size']):.3f} "
               f"down to ln {BRANCH} = {math.log(BRANCH):.3f} at best"
               + (f"; {args.dist} over {args.world} processes" if args.dist != "none" else ""))
+    share = cfg["batch"] // args.world
+    if share % args.micro_batches:
+        sys.exit(f"--micro-batches {args.micro_batches}: a process's share of --batch {cfg['batch']} is "
+                 f"{share} sequences, which do not split into {args.micro_batches} equal micro-batches")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     data = markov_data(cfg, args.seed)
     return [train(run, args, data) for run in args.runs]
@@ -394,7 +423,7 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fusedops": fusedops.__version__, "config": args.cfg, "compile": args.compile,
                "dist": args.dist, "processes": args.world, "resume": args.resume,
-               "lr": args.lr, "clip": args.clip, "entropy_floor": floor, "runs": results}
+               "lr": args.lr, "clip": args.clip, "micro_batches": args.micro_batches, "entropy_floor": floor, "runs": results}
     if len(results) == 2:
         d = [abs(a - b) for a, b in zip(results[0]["losses"], results[1]["losses"])]
         summary["max_abs_loss_difference"] = max(d)

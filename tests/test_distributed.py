@@ -16,6 +16,11 @@ read the summaries it writes:
              run's full state; saves after step 12 (DCP and full)
   back_full  FSDP2 + FusedAdamW from torch AdamW's full state, steps 13-16
   back_dcp   the same from its DCP folder (resharded: 1 process -> 2)
+  micro      one process, each batch in 2 micro-batches (DDP's arithmetic)
+  ddp_micro, fsdp_micro
+             DDP / FSDP2 with each process's half in 2 micro-batches
+             (gradients reduced with the last only: no_sync,
+             set_requires_gradient_sync)
 
 Tolerance: the loss curves agree within LOSS_ATOL at every step. The runs
 differ by the order of floating-point sums only (a process's half-batch mean
@@ -43,8 +48,11 @@ def _cases(out):
     """(name, train.main arguments, whether every process runs it) in order."""
     base = ["--device", "cpu", "--preset", "tiny", "--runs", "fusedops"]
     ckpt = ["--ckpt-format", "dcp,full"]
+    micro = ["--micro-batches", "2"]
     cases = [("single", base + ["--dist", "none"], False),
-             ("ddp", base + ["--dist", "ddp"], True)]
+             ("ddp", base + ["--dist", "ddp"], True),
+             ("micro", base + ["--dist", "none"] + micro, False),
+             ("ddp_micro", base + ["--dist", "ddp"] + micro, True)]
     if _has_fsdp2():
         fsdp = base + ["--dist", "fsdp"]
         adamw_ckpt = out / "adamw" / f"pytorch-step{RESAVE_AT}"
@@ -54,7 +62,8 @@ def _cases(out):
                              "--resume", str(out / "fsdp" / f"fusedops-step{SAVE_AT}.pt"),
                              "--save-at", str(RESAVE_AT)] + ckpt, False),
                   ("back_full", fsdp + ["--resume", f"{adamw_ckpt}.pt"], True),
-                  ("back_dcp", fsdp + ["--resume", str(adamw_ckpt)], True)]
+                  ("back_dcp", fsdp + ["--resume", str(adamw_ckpt)], True),
+                  ("fsdp_micro", fsdp + micro, True)]
     return [(name, argv + ["--out", str(out / name)], every) for name, argv, every in cases]
 
 
@@ -128,6 +137,17 @@ def test_ddp_matches_one_process(runs):
     assert d <= LOSS_ATOL, f"DDP loss curve differs from one process's by {d:.3g}"
 
 
+def test_micro_batches_match_one_batch(runs):
+    """Gradients accumulated over micro-batches, on one process and under DDP
+    (synchronised with the last only), follow the whole-batch curve."""
+    _, single, _ = runs("single")
+    for name, dist in (("micro", "none"), ("ddp_micro", "ddp")):
+        _, curve, summary = runs(name)
+        assert summary["dist"] == dist and summary["micro_batches"] == 2
+        d = _max_diff(curve, single)
+        assert d <= LOSS_ATOL, f"{name}: loss curve differs from one process's by {d:.3g}"
+
+
 def _needs_fsdp2():
     if not _has_fsdp2():
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
@@ -140,6 +160,15 @@ def test_fsdp_matches_one_process(runs):
     assert summary["dist"] == "fsdp" and summary["processes"] == 2
     d = _max_diff(fsdp, single)
     assert d <= LOSS_ATOL, f"FSDP2 loss curve differs from one process's by {d:.3g}"
+
+
+def test_fsdp_micro_batches_match_one_batch(runs):
+    _needs_fsdp2()
+    _, single, _ = runs("single")
+    _, curve, summary = runs("fsdp_micro")
+    assert summary["dist"] == "fsdp" and summary["micro_batches"] == 2
+    d = _max_diff(curve, single)
+    assert d <= LOSS_ATOL, f"FSDP2 with 2 micro-batches: loss curve differs from one process's by {d:.3g}"
 
 
 def test_fsdp_dcp_resume_continues_the_curve(runs):
