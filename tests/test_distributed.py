@@ -154,21 +154,14 @@ def _needs_fsdp2():
 
 
 def test_fsdp_matches_one_process(runs):
+    """FSDP2, and FSDP2 with each process's half in 2 micro-batches."""
     _needs_fsdp2()
     _, single, _ = runs("single")
-    _, fsdp, summary = runs("fsdp")
-    assert summary["dist"] == "fsdp" and summary["processes"] == 2
-    d = _max_diff(fsdp, single)
-    assert d <= LOSS_ATOL, f"FSDP2 loss curve differs from one process's by {d:.3g}"
-
-
-def test_fsdp_micro_batches_match_one_batch(runs):
-    _needs_fsdp2()
-    _, single, _ = runs("single")
-    _, curve, summary = runs("fsdp_micro")
-    assert summary["dist"] == "fsdp" and summary["micro_batches"] == 2
-    d = _max_diff(curve, single)
-    assert d <= LOSS_ATOL, f"FSDP2 with 2 micro-batches: loss curve differs from one process's by {d:.3g}"
+    for name, micro in (("fsdp", 1), ("fsdp_micro", 2)):
+        _, fsdp, summary = runs(name)
+        assert summary["dist"] == "fsdp" and summary["processes"] == 2 and summary["micro_batches"] == micro
+        d = _max_diff(fsdp, single)
+        assert d <= LOSS_ATOL, f"{name}: FSDP2 loss curve differs from one process's by {d:.3g}"
 
 
 def test_fsdp_dcp_resume_continues_the_curve(runs):
