@@ -251,6 +251,15 @@ PIPE_CASES = [ln((2001, 8192), torch.bfloat16), ln((333, 6000), torch.float16, r
               ln((5000, 3072), torch.bfloat16), rms((999, 3072), torch.float32, residual="none")]
 
 
+def check_twice(c, device):
+    """Case c's outputs and gradients (poisoned first) against the reference,
+    and bitwise the same from a second run."""
+    inp = make_inputs(c, device)
+    got = forward_backward(c, inp, poison=True)
+    check_against_reference(c, inp, got)
+    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+
+
 # Rows of 256, 512 and 1024 16-bit values with a residual and a weight in x's
 # dtype run fwd_narrow on CUDA (norm_cuda.cu: the width a compile-time
 # constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
@@ -270,19 +279,31 @@ NARROW_CASES = ([ln((2, 700, 512), torch.bfloat16), ln((3, 256), torch.float16, 
 
 @pytest.mark.parametrize("c", NARROW_CASES, ids=ids(NARROW_CASES))
 def test_narrow_rows(device, c):
-    inp = make_inputs(c, device)
-    got = forward_backward(c, inp, poison=True)
-    check_against_reference(c, inp, got)
-    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+    check_twice(c, device)
+
+
+# Rows of a multiple of 4 16-bit values but not of 8 run 8-byte kernels on
+# CUDA (norm_cuda.cu, access_vec: fwd_regs and bwd_regs at 4 values a chunk,
+# else the loop kernels and dwdb_cols): a warp a row (100), teams of 64
+# threads (260) and 288 (4100, 8196), the forward's 8 chunks a thread (8196),
+# the loop kernels past the register teams (16388 forward and backward, 8196
+# backward); s, weight or no residual in other dtypes.
+HALF_CASES = [ln((3, 100), torch.bfloat16), rms((1000, 260), torch.float16, residual="fp32"),
+              ln((33, 260), torch.bfloat16), ln((5, 1004), torch.bfloat16, param="fp32"),
+              rms((33, 4100), torch.bfloat16), ln((7, 4100), torch.float16, residual="none"),
+              ln((9, 8196), torch.bfloat16), rms((3, 8196), torch.float16, weight=False),
+              ln((5, 16388), torch.bfloat16, residual="fp32", param="fp32"), rms((70, 16388), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("c", HALF_CASES, ids=ids(HALF_CASES))
+def test_half_aligned_rows(device, c):
+    check_twice(c, device)
 
 
 @requires_cuda
 @pytest.mark.parametrize("c", WIDE_CASES + PIPE_CASES, ids=ids(WIDE_CASES + PIPE_CASES))
 def test_wide_rows_cuda(c):
-    inp = make_inputs(c, "cuda")
-    got = forward_backward(c, inp, poison=True)
-    check_against_reference(c, inp, got)
-    assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
+    check_twice(c, "cuda")
 
 
 @requires_cuda
@@ -323,7 +344,7 @@ def test_backward_plans_cuda(env):
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
     (registers that cap a block at 512 threads), on the pipe, wide-row and
     shape cases."""
-    _tests_with_env(env, "test_wide_rows or test_pipe_rows or (test_shapes and cuda)")
+    _tests_with_env(env, "test_wide_rows or test_pipe_rows or (test_shapes and cuda) or (test_half_aligned and cuda)")
 
 
 @requires_cuda
@@ -339,10 +360,11 @@ def test_forward_plans_cuda(env):
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
-# bwd_regs (4096), fwd_loop, bwd_loop and dwdb_cols (4099: one element a load),
+# bwd_regs (4096; 4100: 8-byte loads), fwd_loop, bwd_loop and dwdb_cols (4099:
+# one element a load),
 # fwd_park under FUSEDOPS_NORM_PARK=2 (32768; test_forward_plans_cuda), the
 # cluster pipes (65536); colsum after every backward.
-BACK_TO_BACK = [(2048, 1024), (1024, 4096), (512, 4099), (96, 32768), (48, 65536)]
+BACK_TO_BACK = [(2048, 1024), (1024, 4096), (1024, 4100), (512, 4099), (96, 32768), (48, 65536)]
 
 
 @requires_cuda
@@ -559,8 +581,9 @@ def relayout(t, kind):
         return t, t.transpose(-1, -2).contiguous().transpose(-1, -2)
     if kind == "permute":  # leading dims swapped: rows not one stride apart
         return t, t.transpose(0, 1).contiguous().transpose(0, 1)
-    if kind in ("slice", "slice_misaligned"):  # a slice along the last dim of a wider tensor
-        start, extra = (8, 16) if kind == "slice" else (1, 3)  # 16-byte aligned rows, or not
+    if kind.startswith("slice"):  # a slice along the last dim of a wider tensor
+        # 16-byte aligned rows, 8-byte (16-bit values), or one element's
+        start, extra = {"slice": (8, 16), "slice_half": (4, 8), "slice_misaligned": (1, 3)}[kind]
         return t, padded((*t.shape[:-1], t.shape[-1] + extra), (..., slice(start, start + t.shape[-1])))
     if kind == "rowstep":  # every other row of a taller tensor
         return t, padded((2 * t.shape[0], *t.shape[1:]), slice(None, None, 2))
@@ -570,10 +593,11 @@ def relayout(t, kind):
 
 
 LAYOUTS = [("x", "transpose"), ("x", "permute"), ("x", "slice"), ("x", "slice_misaligned"),
-           ("x", "rowstep"), ("residual", "slice"), ("residual", "slice_misaligned"),
+           ("x", "slice_half"), ("x", "rowstep"), ("residual", "slice"), ("residual", "slice_misaligned"),
+           ("residual", "slice_half"),
            ("residual", "transpose"), ("residual", "expand"), ("residual", "rowstep"),
            ("weight", "stride2"), ("bias", "stride2"), ("gy", "slice"), ("gy", "slice_misaligned"),
-           ("gy", "transpose"), ("gs", "slice_misaligned"), ("gs", "expand")]
+           ("gy", "transpose"), ("gy", "slice_half"), ("gs", "slice_misaligned"), ("gs", "expand")]
 LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"),
                 rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32"),
                 ln((4, 6, 512), torch.bfloat16), rms((24, 1024), torch.float16),  # fwd_narrow
@@ -581,11 +605,11 @@ LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"
 LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
                  if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
 # Layouts whose results may differ in rounding from the contiguous ones on CUDA:
-# with rows not 16-byte aligned the CUDA kernels take their scalar variant
-# (norm_cuda.cu, fwd_loop / bwd_loop), which sums in another order. Every other
+# with rows not 16-byte aligned the CUDA kernels read 8 bytes or one element
+# at a time (norm_cuda.cu, access_vec), and sum in another order. Every other
 # layout is read in place on the same path, or copied, and must give bitwise the
 # contiguous results.
-NOT_BITWISE_ON_CUDA = {"slice_misaligned"}
+NOT_BITWISE_ON_CUDA = {"slice_misaligned", "slice_half"}
 
 
 @pytest.mark.parametrize("c,arg,kind", LAYOUT_PARAMS, ids=[f"{c}-{a}-{k}" for c, a, k in LAYOUT_PARAMS])

@@ -31,9 +31,10 @@ ops = torch.ops.fusedops
 
 
 def norm_cases():
-    """(case, layouts): register kernels (aligned widths), loop kernels (odd or
-    misaligned widths: one element a step; rows wider than the registers take:
-    16-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
+    """(case, layouts): register kernels (aligned widths; widths of a multiple
+    of 4 16-bit values: 8-byte chunks), loop kernels (odd or misaligned
+    widths: one element a step; rows wider than the registers take: 16-byte
+    or 8-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
     with: two an SM), fwd_narrow (rows of 512 and 1024 16-bit values, one row
     stride its own; eight rows of 256 or LayerNorm's 512 a block, the last
     block part full, statistics gathered in shared memory), dweight / dbias
@@ -44,6 +45,8 @@ def norm_cases():
             (ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
             (ln((3, 5, 64), F32), []),
             (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
+            (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
+            (rms((5, 16388), F16, residual="fp32"), [("x", "slice_half")]),  # 8-byte loop kernels
             (ln((5, 20000), BF16), []),  # wider than the register kernels take
             (rms((37, 1000), BF16, residual="none_fp32"), []),
             (rms((3, 7), F16, residual="fp32"), []),

@@ -33,7 +33,8 @@
  *                        memory by cp.async, rows ahead, so that loads stay in
  *                        flight while a team reduces; past 16K values split over
  *                        a cluster on sm_90.
- *   fwd_loop / bwd_loop  any width or alignment: one block per row, passes over
+ *   fwd_loop / bwd_loop  any width or alignment (16 or 8 bytes a load, or one
+ *                        element): one block per row, passes over
  *                        the row re-read from L1/L2 (s read back after it is
  *                        written by the same thread).
  *   dwdb_cols            with bwd_loop: dweight/dbias partial sums over a tile of
@@ -196,10 +197,15 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
 // holds the row in registers as s is stored (16-bit s: half the registers of
 // fp32 values; 40 registers for 16 bf16 values a thread where fp32 copies
 // took 64, and 3 blocks of 512 threads an SM instead of 2), every element
-// read once and written once with 16-byte accesses; one row per team, no loop.
+// read once and written once with 16-byte accesses (8-byte where the rows
+// allow no more: access_vec); one row per team, no loop.
+// The 8-byte kernels (VEC of 16-bit T: 4) state one block an SM at the least,
+// which is the default: said outright, ptxas keeps to the thread cap's
+// registers (fp16, 8 values: 38, where left to itself it squeezed into 32
+// and spilled on sm_80); the 16-byte kernels' SASS stays as tuned.
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W>))
-    fwd_regs(const fo_norm_fwd_params p) {
+__global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W> && VEC == 8),
+                                  VEC * sizeof(T) == 16 ? 0 : 1) fwd_regs(const fo_norm_fwd_params p) {
   __shared__ float red[2][32];  // a team that is not one warp is the whole block
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
@@ -1096,7 +1102,7 @@ int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 // How a call runs: the register kernel when the row fits in registers, else
 // the loop kernel with one block per row.
 struct Shape {
-  int vec;   // elements per access: 16 bytes of x's dtype, or 1 (misaligned / odd widths)
+  int vec;   // elements of x per access: access_vec's (16 or 8 bytes, or 1)
   int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
   int team;  // threads per row
   int rpb;   // rows (teams) per block
@@ -1233,20 +1239,51 @@ int persistent_grid(K *kernel, int64_t rows, Shape c, size_t smem, int device) {
   return (int)std::max<int64_t>(1, std::min(groups, resident));
 }
 
+// Whether every row of an array (elements of `size` bytes, rows `stride`
+// elements apart; a null array passes) can be read `vec` elements at a time:
+// each access aligned to its bytes, or to 16 where it is 16 or more (Pack).
+bool fits(const void *ptr, int64_t stride, int size, int vec) {
+  const int64_t a = std::min(16, vec * size);
+  return !ptr || (reinterpret_cast<uintptr_t>(ptr) % a == 0 && stride * size % a == 0);
+}
+
 bool fwd_vec_ok(const fo_norm_fwd_params *p, int vec) {
-  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype);
-  return p->cols % vec == 0 && aligned16(p->x) && aligned16(p->y) && (p->x_stride * xs) % 16 == 0 &&
-         (!p->residual || (aligned16(p->residual) && (p->res_stride * ss) % 16 == 0)) &&
-         (!p->s || aligned16(p->s)) && (!p->weight || aligned16(p->weight)) &&
-         (!p->bias || aligned16(p->bias));
+  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), ws = fo_dtype_size(p->w_dtype);
+  return p->cols % vec == 0 && fits(p->x, p->x_stride, xs, vec) && fits(p->y, p->cols, xs, vec) &&
+         fits(p->residual, p->res_stride, ss, vec) && fits(p->s, p->cols, ss, vec) &&
+         fits(p->weight, 0, ws, vec) && fits(p->bias, 0, ws, vec);
 }
 
 bool bwd_vec_ok(const fo_norm_bwd_params *p, int vec) {
-  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype);
-  return p->cols % vec == 0 && aligned16(p->dy) && aligned16(p->s) && aligned16(p->dx) &&
-         (p->dy_stride * xs) % 16 == 0 && (p->s_stride * ss) % 16 == 0 &&
-         (!p->ds || (aligned16(p->ds) && (p->ds_stride * ss) % 16 == 0)) &&
-         (!p->weight || aligned16(p->weight));
+  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), ws = fo_dtype_size(p->w_dtype);
+  return p->cols % vec == 0 && fits(p->dy, p->dy_stride, xs, vec) && fits(p->s, p->s_stride, ss, vec) &&
+         fits(p->dx, p->cols, ss, vec) && fits(p->ds, p->ds_stride, ss, vec) && fits(p->weight, 0, ws, vec);
+}
+
+// Elements of x a call's kernels read at a time: 16 bytes (V = 16 / x's
+// size) where every row allows it; else, for 16-bit x, 8 bytes (V / 2: rows
+// of a multiple of 4 values, or a slice starting 8 bytes in); else one. The
+// 8-byte kernels are the register and loop kernels (not fwd_narrow, fwd_park
+// or the pipes, which are 16-byte only). One element a load measured 0.25-0.54
+// of the copy where 8 bytes were possible, under eager's 0.34-0.70 (which
+// reads 4 values at a time there; docs/perf-notes.md, v22).
+template <class P, class Ok>
+int access_vec(const P *p, Ok ok) {
+  const int v = 16 / fo_dtype_size(p->x_dtype);
+  if (ok(p, v)) return v;
+  return v == 8 && ok(p, 4) ? 4 : 1;
+}
+
+// Calls f(integral_constant<VEC>) for a register kernel's vec (V or V / 2
+// for 16-bit T: access_vec's) or, with kOne, also a loop kernel's 1.
+template <class T, bool kOne, class F>
+void with_vec(int vec, F &&f) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec == V) f(std::integral_constant<int, V>{});
+  else if constexpr (V == 8) {
+    if (vec == 4) f(std::integral_constant<int, 4>{});
+    else if constexpr (kOne) f(std::integral_constant<int, 1>{});
+  } else if constexpr (kOne) f(std::integral_constant<int, 1>{});
 }
 
 // Calls f(Tag<T>, Tag<S>, Tag<W>) for the (x, s, weight) dtypes: s and weight
@@ -1444,15 +1481,15 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
 // dweight/dbias partial rows (0 when none are wanted). `launch` false only
 // plans (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
-  const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const bool vec_ok = bwd_vec_ok(p, vec);
-  const int max_values = kBwdMaxValues * vec / 8;
-  Shape c = choose(p->cols, vec, vec_ok, target_values(vec), max_values, max_threads);
+  const int v16 = 16 / fo_dtype_size(p->x_dtype), vec = access_vec(p, bwd_vec_ok);
+  const bool full = vec == v16;  // 16-byte access: the pipes too
+  const int max_values = kBwdMaxValues * v16 / 8;
+  Shape c = choose(p->cols, vec, vec > 1, target_values(v16), max_values, max_threads);
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
     c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
   // team's registers hold the row.
-  const Shape pc = c.nv == 0 || c.team > kPipeThreads ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
+  const Shape pc = c.nv == 0 || c.team > kPipeThreads ? pipe_shape(p->cols, vec, full, device) : Shape{};
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -1469,29 +1506,33 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
                                         p->rows, device, launch, stream, *p);
       parts = want ? units : 0;
     } else if (c.nv) {
-      with_nv<V, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
-        auto *k = bwd_regs<T, S, W, V, decltype(nv)::value>;
-        const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * V * c.team * sizeof(float) : 0;
-        allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
-        const int grid = persistent_grid(k, p->rows, c, smem, device);
-        parts = want ? grid : 0;
-        if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
+      with_vec<T, false>(c.vec, [&](auto v) {
+        constexpr int VEC = decltype(v)::value;
+        with_nv<VEC, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
+          auto *k = bwd_regs<T, S, W, VEC, decltype(nv)::value>;
+          const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * VEC * c.team * sizeof(float) : 0;
+          allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
+          const int grid = persistent_grid(k, p->rows, c, smem, device);
+          parts = want ? grid : 0;
+          if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
+        });
       });
     } else {
-      auto *k = c.vec == 1 ? bwd_loop<T, S, W, 1> : bwd_loop<T, S, W, V>;
-      if (launch) k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, stream>>>(*p);
-      if (want) {
-        const int cv = c.vec == 1 ? 1 : V;
-        const int64_t col_blocks = (p->cols + 32 * cv - 1) / (32 * cv);
-        parts = std::max<int64_t>(1, std::min<int64_t>(p->rows, (4 * sm_count(device) + col_blocks - 1) / col_blocks));
-        parts = std::min<int64_t>(parts, 65535);
-        if (launch) {
-          const int64_t rows_per_part = (p->rows + parts - 1) / parts;
-          dim3 grid((unsigned)col_blocks, (unsigned)parts);
-          if (c.vec == 1) dwdb_cols<T, S, 1><<<grid, dim3(32, kColRows), 0, stream>>>(*p, rows_per_part);
-          else dwdb_cols<T, S, V><<<grid, dim3(32, kColRows), 0, stream>>>(*p, rows_per_part);
+      with_vec<T, true>(c.vec, [&](auto v) {
+        constexpr int VEC = decltype(v)::value;
+        auto *k = bwd_loop<T, S, W, VEC>;
+        if (launch) k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, stream>>>(*p);
+        if (want) {
+          const int64_t col_blocks = (p->cols + 32 * VEC - 1) / (32 * VEC);
+          parts = std::max<int64_t>(1, std::min<int64_t>(p->rows, (4 * sm_count(device) + col_blocks - 1) / col_blocks));
+          parts = std::min<int64_t>(parts, 65535);
+          if (launch) {
+            const int64_t rows_per_part = (p->rows + parts - 1) / parts;
+            dim3 grid((unsigned)col_blocks, (unsigned)parts);
+            dwdb_cols<T, S, VEC><<<grid, dim3(32, kColRows), 0, stream>>>(*p, rows_per_part);
+          }
         }
-      }
+      });
     }
     if (launch && want) {
       dim3 grid((unsigned)((p->cols + 31) / 32), 2);
@@ -1506,37 +1547,37 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
 
 extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream) {
   const int device = current_device();
-  const int vec = 16 / fo_dtype_size(p->x_dtype);
-  const bool vec_ok = fwd_vec_ok(p, vec);
+  const int v16 = 16 / fo_dtype_size(p->x_dtype), vec = access_vec(p, fwd_vec_ok);
+  const bool full = vec == v16;  // 16-byte access: fwd_narrow, fwd_park and the pipe too
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p->rows > 0 && narrow_fwd(p, vec_ok)) {  // no other plan to make
+  if (p->rows > 0 && narrow_fwd(p, full)) {  // no other plan to make
     with_type(p->x_dtype, [&](auto tt) {
       using T = typename decltype(tt)::type;
       if constexpr (sizeof(T) == 2) launch_narrow<T>(p, device, st);
     });
     return last_error();
   }
-  const int target = target_values(16 * vec / 8), max_values = kFwdMaxValues * vec / 8;
+  const int target = target_values(16 * v16 / 8), max_values = kFwdMaxValues * v16 / 8;
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
   // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
   // 0.86 at 8192.
-  Shape c = choose(p->cols, vec, vec_ok, target_values(8), max_values, max_threads);
-  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec_ok, target, max_values, max_threads);
+  Shape c = choose(p->cols, vec, vec > 1, target_values(8), max_values, max_threads);
+  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec > 1, target, max_values, max_threads);
   // Rows no 512-thread team holds: 1024-thread teams of 32 bf16 values
   // (fwd_team_cap). At 16384 wide, 16 values x 1024 measured 0.88 / 0.91 of
   // the copy (LN / RMS) against 32 x 512's 0.91 / 0.92: only where 512 cannot.
-  const bool bf16 = p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 && p->w_dtype == FO_BF16;
+  const bool bf16 = full && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 && p->w_dtype == FO_BF16;
   if (c.nv == 0)
-    c = choose(p->cols, vec, vec_ok, max_values, max_values,
+    c = choose(p->cols, vec, vec > 1, max_values, max_values,
                [&](int values) { return std::min(fwd_max_threads(values, bf16), fwd_team_cap()); });
   if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
   // fwd_pipe where no register team holds the row (on sm_90, split over a
   // cluster), rather than the loop kernel. Where one does, fwd_regs is faster:
   // 0.87-0.90 of the copy against 0.84-0.88 at 16384 wide, 0.93 against
   // 0.42-0.87 below (docs/perf-notes.md).
-  const Shape pc = c.nv == 0 ? pipe_shape(p->cols, vec, vec_ok, device) : Shape{};
-  const bool park = p->rows > 0 && park_fwd(p, vec_ok);
+  const Shape pc = c.nv == 0 ? pipe_shape(p->cols, vec, full, device) : Shape{};
+  const bool park = p->rows > 0 && park_fwd(p, full);
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
     using S = typename decltype(ts)::type;
@@ -1553,12 +1594,17 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       pipe_launch(fwd_pipe<T, S, W, V, true>, fwd_pipe<T, S, W, V, false>, pc, smem, stages, p->rows, device, true,
                   st, *p);
     } else if (c.nv == 0) {
-      auto *k = c.vec == 1 ? fwd_loop<T, S, W, 1> : fwd_loop<T, S, W, V>;
-      k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
+      with_vec<T, true>(c.vec, [&](auto v) {
+        auto *k = fwd_loop<T, S, W, decltype(v)::value>;
+        k<<<persistent_grid(k, p->rows, c, 0, device), c.team, 0, st>>>(*p);
+      });
     } else {
-      with_nv<V, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
-        auto *k = fwd_regs<T, S, W, V, decltype(nv)::value>;
-        k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
+      with_vec<T, false>(c.vec, [&](auto v) {
+        constexpr int VEC = decltype(v)::value;
+        with_nv<VEC, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
+          auto *k = fwd_regs<T, S, W, VEC, decltype(nv)::value>;
+          k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
+        });
       });
     }
   });
