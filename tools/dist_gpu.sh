@@ -9,9 +9,15 @@
 #   2 GPUs, FSDP2, batch 16  ... --dist fsdp --batch 16 (weak scaling, WEAK_STEPS steps)
 # and prints a table last: tokens/s, peak memory, the loss curves' largest
 # difference from the 1-GPU run of the same kind at the end (the mean of the
-# last tenth of the steps; PASS within BF16_ATOL) and step by step, the
+# last tenth of the steps; PASS within BF16_ATOL), over the first EARLY_STEPS
+# steps (PASS within EARLY_ATOL) and step by step (reported only), the
 # resumed curve's from the uninterrupted one, fusedops / pytorch tokens/s.
-#   tools/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.05 by default
+# The tolerances are about 10x what rounding alone moved a curve on one H100:
+# examples/train.py --micro-batches 2 and 4 (DDP's arithmetic over 2 and 4
+# processes) against 1, 400 steps, plain and fusedops: end loss within
+# 0.0003-0.0011, the first 15 steps within 4.1e-4; in between, the spike
+# after the warm-up (steps 26-37) parted the curves by up to 2.9.
+#   tools/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.01 EARLY_STEPS=15 EARLY_ATOL=0.005
 #   DRY=1 tools/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
 # Summaries go to $OUT/dist (the device tool's folder) or ./gpu-out/dist;
 # checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
@@ -19,7 +25,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 OUT=${OUT:-$PWD/gpu-out}; export OUT
-STEPS=${STEPS:-400} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.05}
+STEPS=${STEPS:-400} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.01}
+EARLY_STEPS=${EARLY_STEPS:-15} EARLY_ATOL=${EARLY_ATOL:-0.005}
 WORK=${DIST_WORK:-/tmp/fusedops-dist}; rm -rf "$WORK"; mkdir -p "$WORK" "$OUT/dist"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 where=()
@@ -49,19 +56,29 @@ step fsdp $run2 --dist fsdp --runs pytorch,fusedops --save-at "$half" --ckpt-for
 step resume $run2 --dist fsdp --runs fusedops --resume "$WORK/fsdp/fusedops-step$half"
 RUN_STEPS=$WEAK_STEPS step weak $run2 --dist fsdp --runs pytorch,fusedops --batch 16
 
-python3 - "$OUT/dist" "$BF16_ATOL" <<'EOF' || rc=1
+python3 - "$OUT/dist" "$BF16_ATOL" "$EARLY_STEPS" "$EARLY_ATOL" <<'EOF' || rc=1
 import json, sys
 from pathlib import Path
-out, atol = Path(sys.argv[1]), float(sys.argv[2])
+out, atol, early, early_atol = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 def load(name):
     p = out / name / "summary.json"
     return {r["run"]: r for r in json.loads(p.read_text())["runs"]} if p.exists() else {}
 single, ok = load("single"), True
 print(f"\n{'setup':8s} {'GPUs':>4s} {'batch':>9s} {'run':9s} {'k tok/s':>8s} {'x 1 GPU':>8s} "
-      f"{'peak GiB':>8s} {'end loss':>8s} {'dend vs 1 GPU':>14s} {'max|dloss|':>10s}")
+      f"{'peak GiB':>8s} {'end loss':>8s} {'dend vs 1 GPU':>14s} {'first steps':>11s} {'max|dloss|':>10s}")
 def tail(losses):  # the mean loss over the last tenth of the steps
     n = max(1, len(losses) // 10)
     return sum(losses[-n:]) / n
+def judge(losses, base, what):
+    """The end-loss difference and the first `early` steps' largest one,
+    each against its tolerance (printed when it fails); sets ok."""
+    global ok
+    end = abs(tail(losses) - tail(base))
+    first = max(abs(a - b) for a, b in zip(losses[:early], base[:early]))
+    if first > early_atol:
+        print(f"{what}: the first {early} steps differ by up to {first:.2e} (over {early_atol}): FAIL")
+    ok &= end <= atol and first <= early_atol
+    return end, first
 def config(name):
     p = out / name / "summary.json"
     c = json.loads(p.read_text())["config"] if p.exists() else {}
@@ -71,35 +88,39 @@ for name, label, gpus in (("single", "1 GPU", 1), ("ddp", "DDP", 2), ("fsdp", "F
     for run, r in load(name).items():
         base = single.get(run)
         scale = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and name != "single" else ""
-        d = m = ""
+        d = f1 = m = ""
         if base and name in ("ddp", "fsdp"):
-            end = abs(tail(r["losses"]) - tail(base["losses"]))
-            d = f"{end:.3f} {'PASS' if end <= atol else 'FAIL'}"
+            end, first = judge(r["losses"], base["losses"], f"{label} {run}")
+            d = f"{end:.4f} {'PASS' if end <= atol else 'FAIL'}"
+            f1 = f"{first:.1e}"
             m = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.2f}"
-            ok &= end <= atol
         mem = f"{r['peak_memory_GiB']:.2f}" if r["peak_memory_GiB"] is not None else "-"
         print(f"{label:8s} {gpus:4d} {batch:>9s} {run:9s} {r['tokens_per_s'] / 1e3:8.1f} {scale:>8s} "
-              f"{mem:>8s} {tail(r['losses']):8.3f} {d:>14s} {m:>10s}")
+              f"{mem:>8s} {tail(r['losses']):8.3f} {d:>14s} {f1:>11s} {m:>10s}")
 for name, label in (("single", "1 GPU"), ("ddp", "DDP"), ("fsdp", "FSDP2"), ("weak", "FSDP2 batch 16")):
     rs = load(name)
     if {"pytorch", "fusedops"} <= set(rs):
         print(f"fusedops / pytorch tokens/s, {label}: {rs['fusedops']['tokens_per_s'] / rs['pytorch']['tokens_per_s']:.3f}")
 full, resumed = load("fsdp").get("fusedops"), load("resume").get("fusedops")
 if full and resumed:
+    # Not bitwise in general: the attention backward's dQ sums by atomics
+    # (deterministic=False), so the resumed curve is judged as DDP's and FSDP2's are.
     k = resumed["first_step"]
+    end, first = judge(resumed["losses"], full["losses"][k:], "FSDP2 resumed")
     diff = max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][k:]))
-    print(f"FSDP2 fusedops resumed from DCP after step {k}: max|dloss| vs uninterrupted {diff:.2e} "
-          f"({'PASS' if diff <= atol else 'FAIL'}; bitwise: {resumed['losses'] == full['losses'][k:]})")
-    ok &= diff <= atol
+    print(f"FSDP2 fusedops resumed from DCP after step {k}, against the uninterrupted run: end loss {end:.4f}, "
+          f"first {early} steps {first:.2e}, max|dloss| {diff:.2e} ({'PASS' if end <= atol and first <= early_atol else 'FAIL'}; "
+          f"bitwise: {resumed['losses'] == full['losses'][k:]})")
 else:
     print("FSDP2 resume: missing summaries"); ok = False
 rs = load("single")
 if {"pytorch", "fusedops"} <= set(rs):
     print(f"1 GPU, fusedops against pytorch: end loss {abs(tail(rs['fusedops']['losses']) - tail(rs['pytorch']['losses'])):.3f}, "
           f"max|dloss| {max(abs(a - b) for a, b in zip(rs['fusedops']['losses'], rs['pytorch']['losses'])):.2f}")
-print(f"loss tolerance (bf16): end loss (mean of the last tenth of the steps) within {atol} of the 1-GPU run's; "
-      f"{'all PASS' if ok else 'FAILURES above'}. max|dloss|, step by step, is reported, not judged: when the "
-      "model leaves the loss plateau (~7.5) is chaotic, and plain PyTorch on 1 and 2 GPUs differs there by more than 3")
+print(f"loss tolerance (bf16): end loss (mean of the last tenth of the steps) within {atol} of the 1-GPU run's, "
+      f"the first {early} steps within {early_atol}; {'all PASS' if ok else 'FAILURES above'}. max|dloss|, step by "
+      "step, is reported, not judged: the spike after the warm-up is chaotic (on one H100, --micro-batches 2 and 4 "
+      "against 1 parted the curves by up to 2.9 there, from rounding alone)")
 sys.exit(0 if ok else 1)
 EOF
 echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all"
