@@ -300,6 +300,18 @@ def test_half_aligned_rows(device, c):
     check_twice(c, device)
 
 
+# Rows where the backward's team would be two warps with lanes to spare run
+# one warp a row at twice the values on CUDA (norm_cuda.cu, bwd_warp): 384
+# and 264 16-bit values (and 260: HALF_CASES), 200 fp32 values.
+WARP_BWD_CASES = [ln((100, 384), torch.bfloat16), rms((33, 264), torch.float16, residual="fp32"),
+                  ln((50, 200), torch.float32, residual="none")]
+
+
+@pytest.mark.parametrize("c", WARP_BWD_CASES, ids=ids(WARP_BWD_CASES))
+def test_warp_backward_rows(device, c):
+    check_twice(c, device)
+
+
 @requires_cuda
 @pytest.mark.parametrize("c", WIDE_CASES + PIPE_CASES, ids=ids(WIDE_CASES + PIPE_CASES))
 def test_wide_rows_cuda(c):
@@ -338,13 +350,16 @@ def _tests_with_env(env, select):
 
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
-                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16"])
+                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",
+                                 "FUSEDOPS_NORM_BWD_WARP=0"])
 def test_backward_plans_cuda(env):
     """The backward's tuning switches: two and four pipeline stages, bwd_regs
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
-    (registers that cap a block at 512 threads), on the pipe, wide-row and
-    shape cases."""
-    _tests_with_env(env, "test_wide_rows or test_pipe_rows or (test_shapes and cuda) or (test_half_aligned and cuda)")
+    (registers that cap a block at 512 threads), and two-warp teams where one
+    warp would do (bwd_warp off), on the pipe, wide-row, shape, 8-byte and
+    one-warp cases."""
+    _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
+                         "test_warp_backward) and cuda)")
 
 
 @requires_cuda

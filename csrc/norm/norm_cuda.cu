@@ -1322,6 +1322,19 @@ int bwd_block_target() {
   return n;
 }
 
+// Whether the backward runs one warp a row where choose() picked a team of
+// two warps with lanes to spare (rows of 33-63 chunks a thread's count:
+// 264, 384 or 260 16-bit values), at twice the values a thread: 1 (the
+// default) or 0, for tuning. FUSEDOPS_NORM_BWD_WARP overrides it. Measured
+// (v22, H100, bf16, forward+backward against the switch off): 384 wide +2.9
+// / +4.9 % (RMS / LN), 264 +13 / +10.5 %, 260 +5 / +4 %, 512 and 768 (not
+// taken) level. The forward gained only where half the lanes idle (264: +3
+// to +10 %; 384: -0.5 %), so it keeps choose()'s team.
+int bwd_warp() {
+  static const int n = env_int("FUSEDOPS_NORM_BWD_WARP", 0, 1, 1);
+  return n;
+}
+
 // Rows the pipe kernels stage ahead, plus one: 2 (one row ahead) measured
 // 0.01-0.03 of the copy above 3 and 4 at 32K-64K wide, forward and backward.
 // FUSEDOPS_NORM_STAGES (2 to 4; 0 or 1 selects the kernels before them: the
@@ -1485,6 +1498,10 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const bool full = vec == v16;  // 16-byte access: the pipes too
   const int max_values = kBwdMaxValues * v16 / 8;
   Shape c = choose(p->cols, vec, vec > 1, target_values(v16), max_values, max_threads);
+  if (bwd_warp() && c.nv && c.team == 64 && p->cols < (int64_t)64 * c.nv * c.vec && 2 * c.nv * c.vec <= max_values) {
+    c.nv *= 2;
+    c.team = 32;
+  }
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
     c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
