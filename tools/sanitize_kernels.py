@@ -46,6 +46,7 @@ def norm_cases():
             (ln((3, 5, 64), F32), []),
             (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
             (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
+            (rms((37, 384), BF16), []),  # the backward one warp a row (bwd_warp)
             (rms((5, 16388), F16, residual="fp32"), [("x", "slice_half")]),  # 8-byte loop kernels
             (ln((5, 20000), BF16), []),  # wider than the register kernels take
             (rms((37, 1000), BF16, residual="none_fp32"), []),
