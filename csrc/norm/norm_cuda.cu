@@ -1322,9 +1322,9 @@ int bwd_block_target() {
   return n;
 }
 
-// Whether the backward runs one warp a row where choose() picked a team of
-// two warps with lanes to spare (rows of 33-63 chunks a thread's count:
-// 264, 384 or 260 16-bit values), at twice the values a thread: 1 (the
+// Whether the backward runs one warp a row, at twice the values a thread,
+// where choose() picked a team of two warps with lanes to spare (rows of 264
+// or 384 16-bit values: 33 or 48 chunks for 64 threads; 260 at 8 bytes): 1 (the
 // default) or 0, for tuning. FUSEDOPS_NORM_BWD_WARP overrides it. Measured
 // (v22, H100, bf16, forward+backward against the switch off): 384 wide +2.9
 // / +4.9 % (RMS / LN), 264 +13 / +10.5 %, 260 +5 / +4 %, 512 and 768 (not
