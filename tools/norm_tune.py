@@ -89,10 +89,7 @@ def main():
             sets.append((x, r, w, b, dy, ds, s, mean, rstd))
         it = iter(range(1 << 62))
 
-        def fwd():
-            x, r, w, b, *_ = sets[next(it) % len(sets)]
-            ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats)
-        fwd.fn = lambda x, r, w, b: ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False)
+        fwd = rotating_fwd(sets, it, lambda x, r, w, b: ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats))
 
         def bwd():
             x, r, w, b, dy, ds, s, mean, rstd = sets[next(it) % len(sets)]
@@ -105,9 +102,9 @@ def main():
             def ref_fn(x, r, w, b):
                 return reference.add_norm(x, r, w, b, 1e-5, a.rms)
             # Both wrapped before either compiles: common.compiled resets dynamo.
-            forwards = {"o": fwd, "c": compiled_fwd(sets, it, common.compiled(ref_fn))}
+            forwards = {"o": fwd, "c": rotating_fwd(sets, it, common.compiled(ref_fn))}
             if "e" in a.order:  # the suite's compile_exact
-                forwards["e"] = compiled_fwd(sets, it, common.compiled(ref_fn, bench_norm.EXACT["compile_exact"]))
+                forwards["e"] = rotating_fwd(sets, it, common.compiled(ref_fn, bench_norm.EXACT["compile_exact"]))
             # Each letter of --order, each round: one graph captured and timed.
             timed = {k: [] for k in forwards}
             for k, impl in enumerate(a.order * a.rounds):
@@ -132,9 +129,9 @@ def main():
 _NAMES = {"o": "ours", "c": "compile", "e": "compile_exact"}
 
 
-def compiled_fwd(sets, it, fn):
-    """A forward over the rotating sets calling fn (a compiled reference); fn
-    is kept on it as .fn, for y_error."""
+def rotating_fwd(sets, it, fn):
+    """A forward over the rotating sets calling fn(x, r, w, b) (ours, or a
+    compiled reference); fn is kept on it as .fn, for y_error."""
     def run():
         x, r, w, b, *_ = sets[next(it) % len(sets)]
         fn(x, r, w, b)
