@@ -718,6 +718,68 @@ def test_deterministic(device, fn, any_threads):
             assert torch.equal(bits(x), bits(y)), f"result {i} differs between runs"
 
 
+# --------------------------------------------------------------------------- autograd kernels
+
+# (id, make(device) -> (fn(*tensors) -> differentiable outputs, tensors), the
+# subsets of the tensors that require grad, the widest first). Each op's Autograd kernel is
+# fusedops.ops._common.register_autograd's.
+AUTOGRAD = [
+    ("add_norm_fwd", lambda d: (lambda x, r, w, b: ops.add_norm_fwd(x, r, w, b, 1e-5, False, False)[:2],
+                                [randn((5, 33), torch.float32, d), randn((5, 33), torch.float32, d),
+                                 randn(33, torch.float32, d), randn(33, torch.float32, d)]),
+     [(0, 1, 2, 3), (2, 3), (1,), (0, 3)]),
+    ("add_norm_fwd_rms_defaults", lambda d: (lambda x, w: ops.add_norm_fwd(x, None, w, None, 1e-6, True, False)[:1],
+                                             [randn((5, 33), torch.bfloat16, d), randn(33, torch.float32, d)]),
+     [(0, 1), (1,)]),
+    ("glu_fwd", lambda d: (lambda g, u: [ops.glu_fwd(g, u, "silu")],
+                           [randn((5, 33), torch.float32, d), randn((5, 33), torch.float32, d)]),
+     [(0, 1), (1,)]),
+    ("glu_packed_fwd", lambda d: (lambda gu: [ops.glu_packed_fwd(gu, "gelu_tanh")], [randn((5, 66), torch.float32, d)]),
+     [(0,)]),
+    ("xent_fwd", lambda d: (lambda x: ops.xent_fwd(x, torch.arange(5, device=d) % 3 - 1, -1)[:1],
+                            [randn((5, 7), torch.float32, d)]),
+     [(0,)]),
+    ("attn_fwd_defaults", lambda d: (lambda q, k, v: ops.attn_fwd(q, k, v, 0.25, True)[:1],
+                                     [randn((1, 9, 2, 16), cuda_ok(d, torch.float32), d) for _ in range(3)]),
+     [(0, 1, 2), (1,)]),
+    ("rope_defaults", lambda d: (lambda q, k, c, s: ops.rope(q, k, c, s),
+                                 [randn((1, 2, 9, 16), torch.float32, d), randn((1, 1, 9, 16), torch.float32, d),
+                                  randn((1, 9, 16), torch.float32, d), randn((1, 9, 16), torch.float32, d)]),
+     [(0, 1), (1,)]),
+]
+
+
+@pytest.mark.parametrize("make,subsets", [a[1:] for a in AUTOGRAD], ids=[a[0] for a in AUTOGRAD])
+def test_autograd_kernel(device, make, subsets):
+    """Gradients for just the inputs that require grad, the same as when all
+    of them do; a second backward through the same graph (retain_graph) gives
+    them again, bitwise; under no_grad the op records no graph. Arguments left
+    at their defaults reach setup_context filled in (the _defaults cases)."""
+    torch.manual_seed(0)
+    fn, ts = make(device)
+    outs = fn(*ts)
+    weights = [torch.randn(o.shape, device=device) for o in outs]
+
+    def grads(needed, twice=False):
+        xs = [t.detach().requires_grad_(i in needed) for i, t in enumerate(ts)]
+        loss = sum((o.float() * w).sum() for o, w in zip(fn(*xs), weights))
+        wanted = [xs[i] for i in needed]
+        first = torch.autograd.grad(loss, wanted, retain_graph=twice)
+        if twice:
+            again = torch.autograd.grad(loss, wanted)
+            for i, g, h in zip(needed, first, again):
+                assert torch.equal(bits(g), bits(h)), f"input {i}: the second backward differs"
+        return dict(zip(needed, first))
+
+    every = grads(subsets[0])  # the widest subset
+    for needed in subsets:
+        got = grads(needed, twice=True)
+        for i in needed:
+            torch.testing.assert_close(got[i], every[i], msg=f"input {i} with {needed} requiring grad")
+    with torch.no_grad():
+        assert all(o.grad_fn is None for o in fn(*[t.detach().requires_grad_() for t in ts]))
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 class TinyLlama(torch.nn.Module):

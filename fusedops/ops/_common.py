@@ -3,6 +3,7 @@
 - check_one_device: the fake kernels' device check. A meta tensor among real
   ones sends the whole call to the fake kernel (Meta outranks CPU and CUDA),
   which would otherwise return uninitialised memory of the real tensors' device.
+- register_autograd: torch.library.register_autograd with less Python a call.
 - no_double_backward: an autograd formula for a backward op that refuses to be
   differentiated (without it, torch's fallback returns zero second-order
   gradients with only a warning).
@@ -17,6 +18,7 @@
 import torch
 
 _lib = torch.library.Library("fusedops", "IMPL")
+formulas = {}  # op -> (backward, setup_context), as registered by register_autograd
 
 
 def _flat(name, value):
@@ -42,6 +44,58 @@ def check_one_device(op, **args):
                                    f"{first[1]}; all tensors must be on one device")
 
 
+def register_autograd(op, backward, setup_context):
+    """Autograd for fusedops::<op>, as torch.library.register_autograd(op,
+    backward, setup_context=setup_context) gives it: the same Autograd kernel,
+    an autograd.Function whose forward redispatches below autograd and calls
+    setup_context(ctx, inputs, output) with every argument's default filled in.
+
+    Torch's kernel fills the defaults through fill_defaults, which reads
+    schema.arguments (a new list of bound objects each time) once per
+    argument; with the other per-call Python it cost add_norm_fwd about 13 us
+    of host time a forward (2-core CPU VM, docs/perf-notes.md). Here the
+    defaults are read once. Only what fusedops' schemas use is supported: no
+    keyword-only arguments, no tensor lists (torch's kernel handles both)."""
+    overload = getattr(torch.ops.fusedops, op).default
+    schema = overload._schema
+    for a in schema.arguments:
+        if a.kwarg_only or isinstance(a.type, torch.ListType):
+            raise NotImplementedError(f"fusedops register_autograd: {op} has argument {a.name} "
+                                      f"({a.type}, kwarg_only={a.kwarg_only}); expected positional "
+                                      "arguments without tensor lists")
+    defaults = tuple(a.default_value for a in schema.arguments)
+    after_autograd = torch._C._after_autograd_keyset
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+
+    def forward(ctx, *args):  # args: the op's arguments, then the dispatch keyset
+        keyset = args[-1]
+        args = args[:-1]
+        with below_autograd():
+            output = overload.redispatch(keyset & after_autograd, *args)
+        setup_context(ctx, args + defaults[len(args):], output)  # the dispatcher drops defaults
+        return output
+
+    def backward_(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:-1]  # without the keyset's entry; restored for retain_graph
+        try:
+            return (*backward(ctx, *grads), None)
+        finally:
+            ctx.needs_input_grad = needs
+
+    function = type(f"FusedopsBackward_{op}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+
+    def autograd_kernel(keyset, *args):
+        if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(*args, keyset)
+        with below_autograd():
+            return overload.redispatch(keyset & after_autograd, *args)
+
+    _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
+    formulas[op] = backward, setup_context
+
+
 def no_double_backward(op):
     """Make a backward op (fusedops::<op>) raise when a gradient is taken
     through it: gradients of gradients are not implemented."""
@@ -50,8 +104,7 @@ def no_double_backward(op):
                            "backward, e.g. torch.autograd.grad(..., create_graph=True) followed "
                            "by a second backward); fusedops ops are differentiable once only")
 
-    torch.library.register_autograd(f"fusedops::{op}", backward,
-                                    setup_context=lambda ctx, inputs, output: None)
+    register_autograd(op, backward, lambda ctx, inputs, output: None)
 
 
 def register_mutating(op):

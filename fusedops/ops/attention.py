@@ -13,7 +13,7 @@ output for the backward only: it takes no gradient.
 """
 import torch
 
-from ._common import check_one_device, no_double_backward
+from ._common import check_one_device, no_double_backward, register_autograd
 
 _ops = torch.ops.fusedops
 
@@ -53,6 +53,6 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None
 
 
-torch.library.register_autograd("fusedops::attn_fwd", _backward, setup_context=_setup_context)
+register_autograd("attn_fwd", _backward, _setup_context)
 no_double_backward("attn_bwd")
 no_double_backward("attn_bwd_packed")

@@ -14,7 +14,7 @@ are empty when not asked for.
 """
 import torch
 
-from ._common import check_one_device, no_double_backward
+from ._common import check_one_device, no_double_backward, register_autograd
 
 _ops = torch.ops.fusedops
 
@@ -101,6 +101,5 @@ def _backward(ctx, dy, ds, dmean, drstd):
     return gx, gres, gw, gb, None, None, None, None
 
 
-torch.library.register_autograd(
-    "fusedops::add_norm_fwd", _backward, setup_context=_setup_context)
+register_autograd("add_norm_fwd", _backward, _setup_context)
 no_double_backward("add_norm_bwd")

@@ -11,7 +11,7 @@ fusedops.functional.apply_rotary_pos_emb takes the eager formula when they
 require grad)."""
 import torch
 
-from ._common import check_one_device, register_mutating
+from ._common import check_one_device, register_autograd, register_mutating
 
 _ops = torch.ops.fusedops
 
@@ -45,5 +45,5 @@ def _backward(ctx, dq, dk):
     return gq, gk, None, None, None
 
 
-torch.library.register_autograd("fusedops::rope", _backward, setup_context=_setup)
+register_autograd("rope", _backward, _setup)
 register_mutating("rope_")

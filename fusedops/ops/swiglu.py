@@ -13,7 +13,7 @@ The forward saves only its inputs (which the caller keeps anyway); the
 backward recomputes the activation from them."""
 import torch
 
-from ._common import check_one_device, no_double_backward, register_mutating
+from ._common import check_one_device, no_double_backward, register_autograd, register_mutating
 
 _ops = torch.ops.fusedops
 
@@ -81,9 +81,8 @@ def _glu_packed_backward(ctx, dout):
     return _ops.glu_packed_bwd(dout, gate_up, ctx.activation), None
 
 
-torch.library.register_autograd("fusedops::glu_fwd", _glu_backward, setup_context=_save_inputs)
-torch.library.register_autograd(
-    "fusedops::glu_packed_fwd", _glu_packed_backward, setup_context=_save_inputs)
+register_autograd("glu_fwd", _glu_backward, _save_inputs)
+register_autograd("glu_packed_fwd", _glu_packed_backward, _save_inputs)
 for _op in ("glu_bwd", "glu_bwd_recompute", "glu_packed_bwd"):
     no_double_backward(_op)
 for _op in ("glu_bwd_", "glu_packed_bwd_"):

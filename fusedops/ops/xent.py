@@ -10,7 +10,7 @@ the size of the logits is kept beyond the logits themselves. lse takes no
 gradient; target none either."""
 import torch
 
-from ._common import check_one_device, no_double_backward
+from ._common import check_one_device, no_double_backward, register_autograd
 
 _ops = torch.ops.fusedops
 
@@ -42,5 +42,5 @@ def _backward(ctx, dloss, dlse):
     return _ops.xent_bwd(dloss, logits, target, lse, ctx.ignore_index), None, None
 
 
-torch.library.register_autograd("fusedops::xent_fwd", _backward, setup_context=_setup_context)
+register_autograd("xent_fwd", _backward, _setup_context)
 no_double_backward("xent_bwd")
