@@ -1,5 +1,8 @@
 """The checks CI runs on the compiled kernels: tools/ptx_stores.py must flag a
-16-byte store split into 32-bit ones, and only that."""
+16-byte store split into 32-bit ones, and only that. And tools/host_overhead.py
+runs, with fusedops' autograd kernels and with torch's."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,3 +38,16 @@ def test_main_fails_unless_allowed(tmp_path, capsys):
     ok = tmp_path / "ok.ptx"
     ok.write_text(HEAD + kernel("_Z1av", VECTOR))
     assert ptx_stores.main([str(ok)]) == 0
+
+
+def test_host_overhead_runs_with_either_autograd_kernel():
+    """Both registrations give every op a working forward+backward (the tool
+    runs each); FUSEDOPS_TORCH_AUTOGRAD=1 switches to torch's kernel."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "host_overhead.py"
+    for env, kernel in (("0", "fusedops' register_autograd"), ("1", "torch.library.register_autograd")):
+        out = subprocess.run([sys.executable, str(tool), "--calls", "3", "--rounds", "1"], check=True,
+                             capture_output=True, text=True,
+                             env={**os.environ, "FUSEDOPS_TORCH_AUTOGRAD": env}).stdout
+        assert f"autograd kernels: {kernel}" in out
+        rows = [line for line in out.splitlines() if line.startswith("| ") and "impl" not in line]
+        assert len(rows) == 12 and all(len(r.split("|")) == 7 for r in rows), out

@@ -6,14 +6,16 @@ so small that the kernels take no time: what a call costs the Python thread
 
 Each figure is the best of --rounds loops of --calls calls, in microseconds a
 call; fwd+bwd is the forward, then torch.autograd.backward with given output
-gradients. --torch-kernel registers each op's autograd formula through
-torch.library.register_autograd instead of fusedops' own kernel
-(fusedops.ops._common.register_autograd), for comparison. On CUDA a loop ends with a synchronize, and the kernels of these
+gradients. With FUSEDOPS_TORCH_AUTOGRAD=1 in the environment fusedops
+registers each op's autograd formula through torch.library.register_autograd
+instead of its own kernel (fusedops.ops._common.register_autograd), for
+comparison. On CUDA a loop ends with a synchronize, and the kernels of these
 shapes are shorter than the host's work, so the loop measures the host.
 
 Not a test: the suite's "fusedops wall" column (benchmarks/) shows the same
 cost at real shapes, where it is hidden behind the GPU or not."""
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,16 +70,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--torch-kernel", action="store_true")
     a = ap.parse_args()
-    kernel = "fusedops"
-    if a.torch_kernel:
-        import warnings
-        from fusedops.ops._common import formulas
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch.library")
-        for op, (backward, setup_context) in formulas.items():
-            torch.library.register_autograd(f"fusedops::{op}", backward, setup_context=setup_context)
-        kernel = "torch.library.register_autograd"
+    kernel = ("torch.library.register_autograd" if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1"
+              else "fusedops' register_autograd")
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     torch.manual_seed(0)
     print(f"host us a call, {a.device}, torch {torch.__version__}, fusedops {fusedops.__version__}, "

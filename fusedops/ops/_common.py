@@ -15,10 +15,11 @@
   refuses an in-place op on a leaf that requires grad), since the op has no
   gradient formula.
 """
+import os
+
 import torch
 
 _lib = torch.library.Library("fusedops", "IMPL")
-formulas = {}  # op -> (backward, setup_context), as registered by register_autograd
 
 
 def _flat(name, value):
@@ -55,7 +56,12 @@ def register_autograd(op, backward, setup_context):
     argument; with the other per-call Python it cost add_norm_fwd about 13 us
     of host time a forward (2-core CPU VM, docs/perf-notes.md). Here the
     defaults are read once. Only what fusedops' schemas use is supported: no
-    keyword-only arguments, no tensor lists (torch's kernel handles both)."""
+    keyword-only arguments, no tensor lists (torch's kernel handles both).
+    FUSEDOPS_TORCH_AUTOGRAD=1 at import registers torch's kernel instead, for
+    comparison (tools/host_overhead.py)."""
+    if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1":
+        torch.library.register_autograd(f"fusedops::{op}", backward, setup_context=setup_context)
+        return
     overload = getattr(torch.ops.fusedops, op).default
     schema = overload._schema
     for a in schema.arguments:
@@ -93,7 +99,6 @@ def register_autograd(op, backward, setup_context):
             return overload.redispatch(keyset & after_autograd, *args)
 
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
-    formulas[op] = backward, setup_context
 
 
 def no_double_backward(op):
