@@ -490,7 +490,7 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
   const int64_t tasks = p->B * p->Hq * qtiles;
   const int bf16_dot = bf16_dot_tiles(p);
   int missing = 0;
-#pragma omp parallel if (tasks > 1)
+#pragma omp parallel if (fo_parallel(tasks, p->B * p->Hq * p->Sq * p->Sk * p->D))
   {
     fwd_scratch w;
 #if FO_X86
@@ -773,7 +773,7 @@ const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
   const int bf16_dot = bf16_dot_tiles(p);
   int missing = 0;
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
-#pragma omp parallel
+#pragma omp parallel if (fo_parallel(tasks, rows * p->Sk * D))
   {
     bwd_scratch w;
 #if FO_X86

@@ -81,6 +81,15 @@ int fo_cpu_set_isa(int cap);
   static void name params { name##_at(FO_ISA_ARGS args, FO_ISA_BASE); }
 #endif
 
+/* Whether a loop over `items` independent pieces holding `elems` values in all
+ * is worth a parallel region: its fork and join cost about a microsecond with
+ * the pool's threads spinning and tens of microseconds where they sleep
+ * (OMP_WAIT_POLICY=passive, or a pool idle for long). Below torch's grain
+ * (at::internal::GRAIN_SIZE, 32768) the calling thread runs it alone, as torch
+ * runs its own small ops. docs/perf-notes.md, v23. */
+enum { FO_GRAIN = 32768 };
+static inline int fo_parallel(int64_t items, int64_t elems) { return items > 1 && elems >= FO_GRAIN; }
+
 static inline float fo_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t fo_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 

@@ -173,7 +173,7 @@ const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
     }
     a = (affine){w, b, FO_F32};
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * n))
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
   free(b);
   free(w);
@@ -271,7 +271,8 @@ const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
   }
   int64_t used = 0; /* threads the runtime actually gave: only their partial rows are written */
 
-#pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads()))
+#pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads())) \
+    if (fo_parallel(p->rows, p->rows * n))
   {
     float *pw = NULL, *pb = NULL;
 #pragma omp single
@@ -290,7 +291,7 @@ const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
 
   if (want_partial) {
     /* one pass over the partial rows: dweight[j] = sum_t partial[0][t][j] */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (fo_parallel(n, used * n))
     for (int64_t j = 0; j < n; ++j) {
       float sw = 0.0f, sb = 0.0f;
       for (int64_t t = 0; t < used; ++t) {

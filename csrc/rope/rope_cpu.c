@@ -46,7 +46,9 @@ FO_ISA_DISPATCH(position, (const fo_rope_params *p, int64_t b, int64_t s), (p, b
 
 const char *fo_rope_cpu(const fo_rope_params *p) {
   const int64_t n = p->batch * p->seq;
-#pragma omp parallel for schedule(static)
+  int64_t heads = 0;
+  for (int i = 0; i < p->n_tensors; ++i) heads += p->t[i].heads;
+#pragma omp parallel for schedule(static) if (fo_parallel(n, n * heads * p->dim))
   for (int64_t i = 0; i < n; ++i) position(p, i / p->seq, i % p->seq);
   return NULL;
 }

@@ -65,7 +65,7 @@ FO_ISA_DISPATCH(bwd_tile, (fo_dtype t, int gelu, const void *d, const void *g, c
  * work is per tile, not per row. */
 const char *fo_glu_fwd_cpu(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->cols))
   for (int64_t r = 0; r < p->rows; ++r) {
     const char *g = row_at(p->gate, &p->gate_rows, r, es);
     const char *u = row_at(p->up, &p->up_rows, r, es);
@@ -80,7 +80,7 @@ const char *fo_glu_fwd_cpu(const fo_glu_params *p) {
 
 const char *fo_glu_bwd_cpu(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->cols))
   for (int64_t r = 0; r < p->rows; ++r) {
     const char *d = row_at(p->dout, &p->dout_rows, r, es);
     const char *g = row_at(p->gate, &p->gate_rows, r, es);

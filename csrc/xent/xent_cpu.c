@@ -99,13 +99,13 @@ FO_INLINE void bwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
 FO_ISA_DISPATCH(bwd_row, (const fo_xent_params *p, int64_t r), (p, r))
 
 const char *fo_xent_fwd_cpu(const fo_xent_params *p) {
-#pragma omp parallel for schedule(static) if (p->rows > 1)
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r);
   return NULL;
 }
 
 const char *fo_xent_bwd_cpu(const fo_xent_params *p) {
-#pragma omp parallel for schedule(static) if (p->rows > 1)
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r);
   return NULL;
 }
