@@ -89,7 +89,7 @@ def register_autograd(op, backward, setup_context):
         finally:
             ctx.needs_input_grad = needs
 
-    function = type(f"FusedopsBackward_{op}", (torch.autograd.Function,),
+    function = type(f"fusedops_{op}", (torch.autograd.Function,),  # grad_fn: fusedops_<op>Backward
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
 
     def autograd_kernel(keyset, *args):
