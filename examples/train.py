@@ -45,6 +45,7 @@ continues a run from its step, with any --dist, number of processes and
 optimizer: FusedAdamW's state is torch's AdamW's.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -302,7 +303,6 @@ def grad_sync(model, args, last):
     """Where a step's micro-batches run: the gradients are reduced over the
     processes only with the last one's backward (DDP's no_sync, FSDP2's
     set_requires_gradient_sync); a no-op on one process."""
-    import contextlib
     if args.dist == "ddp" and not last:
         return model.no_sync()
     if args.dist == "fsdp" and args.micro_batches > 1:
