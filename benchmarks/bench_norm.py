@@ -21,6 +21,10 @@ ELEMENTS_MOVED = {"fwd": 4, "fwd+bwd": 8}  # per element of x
 
 GPU_SHAPES = [(16384, 1024), (16384, 4096), (8192, 8192)]  # the ANCHORS.md rows
 SWEEP_HIDDEN = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+# Widths of real models beside the powers of two (GPT-2 / BERT 768, Qwen2 1.5B
+# 1536, Phi-2 2560, Llama 3.2 3B 3072, Llama 2 13B 5120): each takes a plan of
+# its own (team sizes, chunks a thread), not the neighbouring power of two's.
+MODEL_HIDDEN = [768, 1536, 2560, 3072, 5120]
 # T x H fixed across the sweep, so only the row length changes: 2^24 elements
 # on a GPU; a quarter of that on the CPU, where --sweep is opt-in and the full
 # size takes seconds per call.
@@ -65,7 +69,7 @@ def _shapes(device, quick, sweep):
     shapes = (GPU_SHAPES if gpu else CPU_SHAPES)[:2 if quick else None]
     if sweep:
         elements = SWEEP_ELEMENTS["cuda" if gpu else "cpu"]
-        shapes = shapes + [(elements // h, h) for h in SWEEP_HIDDEN]
+        shapes = shapes + [(elements // h, h) for h in sorted(SWEEP_HIDDEN + MODEL_HIDDEN)]
     return list(dict.fromkeys(shapes))  # 16384x1024 is in both on a GPU
 
 

@@ -260,7 +260,7 @@ def check_twice(c, device):
     assert_same_results(got, forward_backward(c, inp), f"{c}: second run")
 
 
-# Rows of 256, 512 and 1024 16-bit values with a residual and a weight in x's
+# Rows of 256, 512, 768 and 1024 16-bit values with a residual and a weight in x's
 # dtype run fwd_narrow on CUDA (norm_cuda.cu: the width a compile-time
 # constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
 # row, a few, and thousands. Beside them, calls at those widths that
@@ -272,9 +272,11 @@ NARROW_CASES = ([ln((2, 700, 512), torch.bfloat16), ln((3, 256), torch.float16, 
                  rms((1, 1024), torch.bfloat16), rms((4000, 256), torch.float16),
                  ln((1500, 1024), torch.float16), rms((5, 512), torch.bfloat16),
                  ln((13, 512), torch.bfloat16), ln((1001, 256), torch.bfloat16),
-                 rms((9, 256), torch.bfloat16)]
+                 rms((9, 256), torch.bfloat16), ln((3000, 768), torch.bfloat16),
+                 rms((7, 768), torch.float16), ln((2, 3, 768), torch.float16, bias=False)]
                 + [ln((33, 1024), torch.bfloat16, weight=False), ln((33, 256), torch.bfloat16, param="fp32"),
-                   rms((33, 512), torch.float16, residual="fp32"), rms((33, 1024), torch.bfloat16, residual="none")])
+                   rms((33, 512), torch.float16, residual="fp32"), rms((33, 1024), torch.bfloat16, residual="none"),
+                   ln((33, 768), torch.bfloat16, param="fp32")])
 
 
 @pytest.mark.parametrize("c", NARROW_CASES, ids=ids(NARROW_CASES))
@@ -309,6 +311,21 @@ WARP_BWD_CASES = [ln((100, 384), torch.bfloat16), rms((33, 264), torch.float16, 
 
 @pytest.mark.parametrize("c", WARP_BWD_CASES, ids=ids(WARP_BWD_CASES))
 def test_warp_backward_rows(device, c):
+    check_twice(c, device)
+
+
+# bf16 rows of 2056-4088 values take the backward's 16 values a thread on CUDA
+# (norm_cuda.cu, bwd_mid_bf16): teams of 160 to 256 threads, three or two to a
+# block, the last thread's second chunk past the row at 2056 and 2600; beside
+# them the calls it leaves to 8 values (fp16, an fp32 weight or residual).
+MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16),
+                 ln((3, 5, 3584), torch.bfloat16, bias=False), rms((300, 2600), torch.bfloat16, weight=False),
+                 ln((33, 3072), torch.float16), rms((33, 2560), torch.bfloat16, param="fp32"),
+                 ln((33, 3584), torch.bfloat16, residual="fp32")]
+
+
+@pytest.mark.parametrize("c", MID_BWD_CASES, ids=ids(MID_BWD_CASES))
+def test_mid_backward_rows(device, c):
     check_twice(c, device)
 
 
@@ -359,7 +376,7 @@ def test_backward_plans_cuda(env):
     warp would do (bwd_warp off), on the pipe, wide-row, shape, 8-byte and
     one-warp cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
-                         "test_warp_backward) and cuda)")
+                         "test_warp_backward or test_mid_backward) and cuda)")
 
 
 @requires_cuda
@@ -423,11 +440,11 @@ def test_back_to_back_cuda(shape, rms_):
 
 
 # One width for each forward kernel that adds x and residual of one 16-bit
-# dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 1024), fwd_regs with
+# dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 768, 1024), fwd_regs with
 # one, two and four chunks a thread (4096, 8192, 16384), fwd_park (32768; every
 # row under FUSEDOPS_NORM_PARK=2, test_forward_plans_cuda), fwd_loop (4099:
 # one element a load) and the pipe (65536).
-EAGER_SUM_WIDTHS = [256, 512, 1024, 4096, 8192, 16384, 32768, 4099, 65536]
+EAGER_SUM_WIDTHS = [256, 512, 768, 1024, 4096, 8192, 16384, 32768, 4099, 65536]
 
 
 @pytest.mark.parametrize("rms_", [False, True], ids=["ln", "rms"])

@@ -35,7 +35,7 @@ def norm_cases():
     of 4 16-bit values: 8-byte chunks), loop kernels (odd or misaligned
     widths: one element a step; rows wider than the registers take: 16-byte
     or 8-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
-    with: two an SM), fwd_narrow (rows of 512 and 1024 16-bit values, one row
+    with: two an SM), fwd_narrow (rows of 512, 768 and 1024 16-bit values, one row
     stride its own; eight rows of 256 or LayerNorm's 512 a block, the last
     block part full, statistics gathered in shared memory), dweight / dbias
     partials and their column sums."""
@@ -47,12 +47,13 @@ def norm_cases():
             (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
             (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
             (rms((37, 384), BF16), []),  # the backward one warp a row (bwd_warp)
+            (ln((37, 2600), BF16), []),  # the backward 16 values a thread (bwd_mid_bf16)
             (rms((5, 16388), F16, residual="fp32"), [("x", "slice_half")]),  # 8-byte loop kernels
             (ln((5, 20000), BF16), []),  # wider than the register kernels take
             (rms((37, 1000), BF16, residual="none_fp32"), []),
             (rms((3, 7), F16, residual="fp32"), []),
             (rms((37, 512), BF16), [("x", "rowstep")]),
-            (ln((5, 3, 1024), F16), []),
+            (ln((5, 3, 1024), F16), []), (rms((7, 768), BF16), []),
             (ln((13, 256), BF16), []), (ln((11, 512), F16, bias=False), []),
             (rms((4, 6, 1000), BF16), [("x", "slice_misaligned"), ("gy", "rowstep")]),
             (ln((24, 1000), BF16, weight=False), [("x", "rowstep"), ("residual", "expand")])]

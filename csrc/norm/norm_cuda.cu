@@ -9,7 +9,7 @@
  *                        registers (as s is stored): every element read once and
  *                        written once, with 16-byte accesses; one row per team,
  *                        no loop.
- *   fwd_narrow           rows of 256, 512 or 1024 16-bit values with a residual
+ *   fwd_narrow           rows of 256, 512, 768 or 1024 16-bit values with a residual
  *                        and a weight: fwd_regs' work with the width a constant,
  *                        one warp a row and a block, the weight loaded late
  *                        with evict_last; at 512 wide with the smallest L1.
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W> &&
   }
 }
 
-// Rows of 256, 512 or 1024 16-bit values with a residual and a weight (a
+// Rows of 256, 512, 768 or 1024 16-bit values with a residual and a weight (a
 // pre-norm transformer's call; x, s and weight of one dtype): fwd_regs' work
 // in the shape Inductor compiles for such rows, with the width a constant.
 // One warp a row, COLS / 256 chunks a thread, no guards; the weight and bias
@@ -1335,6 +1335,22 @@ int bwd_warp() {
   return n;
 }
 
+// Whether the backward of bf16 rows (x, s and weight) takes 16 values a thread
+// where choose() gave a team of 8 between 256 and 512 threads (rows of 2056 to
+// 4088 values, whose teams ran two or three to a block of up to 1024 threads,
+// one block an SM). Measured (v24, H100, forward+backward's backward against 8
+// values, LayerNorm / RMSNorm): 2560 wide +2.4 / +1.6 % at 16384 rows, +0.3 /
+// +1.2 % at 6553; 3072 +12 / +11 % and +6.6 / +6.5 %; 3584 +8 / +7 % and +1.6 /
+// +3 %. At 4096 (teams of 512) it was +3.4 / +2 % at 16384 rows but -1.9 /
+// -1.6 % at 4096 rows (twice the partial rows), and at 4608 and up (a team a
+// block) -5 to -18 %, so those keep 8. fp16 is not included: its 16-value
+// kernel takes 84 registers (bf16: 64), which halves its blocks an SM.
+// FUSEDOPS_NORM_VALUES, set, decides instead.
+bool bwd_mid_bf16(const fo_norm_bwd_params *p, const Shape &c) {
+  return target_values(0) == 0 && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 &&
+         (!p->weight || p->w_dtype == FO_BF16) && c.vec == 8 && c.nv == 1 && c.team > 256 && c.team < 512;
+}
+
 // Rows the pipe kernels stage ahead, plus one: 2 (one row ahead) measured
 // 0.01-0.03 of the copy above 3 and 4 at 32K-64K wide, forward and backward.
 // FUSEDOPS_NORM_STAGES (2 to 4; 0 or 1 selects the kernels before them: the
@@ -1387,13 +1403,16 @@ int64_t pipe_launch(KC *kcl, KP *k, const Shape &pc, size_t smem, int stages, in
 }
 
 // Whether fwd_narrow runs a call: 16-byte access, x, s and weight of one
-// 16-bit dtype, a residual and a weight, 256, 512 or 1024 columns, and a grid
-// of one block a row. FUSEDOPS_NORM_NARROW=0 turns it off, for tuning.
+// 16-bit dtype, a residual and a weight, 256, 512, 768 or 1024 columns, and a grid
+// of one block a row. FUSEDOPS_NORM_NARROW=0 turns it off, for tuning. At 768
+// wide (three chunks a lane, 63-72 registers) it measured +0.5 % of the copy
+// for RMSNorm and level for LayerNorm against fwd_regs' 96-thread teams
+// (docs/perf-notes.md, v24).
 bool narrow_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
   static const int on = env_int("FUSEDOPS_NORM_NARROW", 0, 1, 1);
   return on && vec_ok && fo_dtype_size(p->x_dtype) == 2 && p->s_dtype == p->x_dtype &&
          p->w_dtype == p->x_dtype && p->residual && p->weight && p->s &&
-         (p->cols == 256 || p->cols == 512 || p->cols == 1024) && p->rows <= INT32_MAX;
+         (p->cols == 256 || p->cols == 512 || p->cols == 768 || p->cols == 1024) && p->rows <= INT32_MAX;
 }
 
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
@@ -1487,6 +1506,7 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
   };
   if (p->cols == 256) run(std::integral_constant<int, 256>{});
   else if (p->cols == 512) run(std::integral_constant<int, 512>{});
+  else if (p->cols == 768) run(std::integral_constant<int, 768>{});
   else run(std::integral_constant<int, 1024>{});
 }
 
@@ -1498,6 +1518,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const bool full = vec == v16;  // 16-byte access: the pipes too
   const int max_values = kBwdMaxValues * v16 / 8;
   Shape c = choose(p->cols, vec, vec > 1, target_values(v16), max_values, max_threads);
+  if (bwd_mid_bf16(p, c)) c = choose(p->cols, vec, true, 2 * v16, max_values, max_threads);
   if (bwd_warp() && c.nv && c.team == 64 && p->cols < (int64_t)64 * c.nv * c.vec && 2 * c.nv * c.vec <= max_values) {
     c.nv *= 2;
     c.team = 32;
