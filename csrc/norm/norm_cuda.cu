@@ -1342,10 +1342,11 @@ int bwd_warp() {
 // values, LayerNorm / RMSNorm): 2560 wide +2.4 / +1.6 % at 16384 rows, +0.3 /
 // +1.2 % at 6553; 3072 +12 / +11 % and +6.6 / +6.5 %; 3584 +8 / +7 % and +1.6 /
 // +3 %. At 4096 (teams of 512) it was +3.4 / +2 % at 16384 rows but -1.9 /
-// -1.6 % at 4096 rows (twice the partial rows), and at 4608 and up (a team a
-// block) -5 to -18 %, so those keep 8. fp16 is not included: its 16-value
-// kernel takes 84 registers (bf16: 64), which halves its blocks an SM.
-// FUSEDOPS_NORM_VALUES, set, decides instead.
+// -1.6 % at 4096 rows (twice the partial rows), so it keeps 8; from 4608 up
+// (8-value teams over 512 threads: bwd_pipe) bwd_regs at 16 values lost 3 to
+// 18 %. fp16 is not included: its 16-value kernel takes 84 registers (bf16:
+// 64), which halves its blocks an SM. FUSEDOPS_NORM_VALUES, set, decides
+// instead.
 bool bwd_mid_bf16(const fo_norm_bwd_params *p, const Shape &c) {
   return target_values(0) == 0 && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 &&
          (!p->weight || p->w_dtype == FO_BF16) && c.vec == 8 && c.nv == 1 && c.team > 256 && c.team < 512;
