@@ -1337,16 +1337,17 @@ int bwd_warp() {
 
 // Whether the backward of bf16 rows (x, s and weight) takes 16 values a thread
 // where choose() gave a team of 8 between 256 and 512 threads (rows of 2056 to
-// 4088 values, whose teams ran two or three to a block of up to 1024 threads,
-// one block an SM). Measured (v24, H100, forward+backward's backward against 8
-// values, LayerNorm / RMSNorm): 2560 wide +2.4 / +1.6 % at 16384 rows, +0.3 /
-// +1.2 % at 6553; 3072 +12 / +11 % and +6.6 / +6.5 %; 3584 +8 / +7 % and +1.6 /
-// +3 %. At 4096 (teams of 512) it was +3.4 / +2 % at 16384 rows but -1.9 /
-// -1.6 % at 4096 rows (twice the partial rows), so it keeps 8; from 4608 up
-// (8-value teams over 512 threads: bwd_pipe) bwd_regs at 16 values lost 3 to
-// 18 %. fp16 is not included: its 16-value kernel takes 84 registers (bf16:
-// 64), which halves its blocks an SM. FUSEDOPS_NORM_VALUES, set, decides
-// instead.
+// 3840 values, whose teams ran two or three to a block of up to 1024 threads,
+// one block an SM). Measured (v24, H100, the backward against 8 values,
+// LayerNorm / RMSNorm, at 16384 rows and at 2^24 values): 2056 wide +12 / +11
+// and +10 / +9 %; 2304 +7 / +6 and +5 / +4 %; 2560 +2.4 / +1.6 and +0.3 / +1.2
+// %; 2816 +15 / +14 and +11 / +12 %; 3072 +12 / +11 and +7 / +7 %; 3328 +11 /
+// +8.5 and +5 / +5 %; 3584 +8 / +7 and +2 / +3 %; 3840 +6 / +4 and +1 / +3 %.
+// At 4096 (teams of 512) it was +3.4 / +2 % at 16384 rows but -1.9 / -1.6 % at
+// 4096 rows (twice the partial rows), so it keeps 8; from 4104 up (8-value
+// teams over 512 threads: bwd_pipe) bwd_regs at 16 values lost 3 to 18 %.
+// fp16 keeps 8: its 16-value kernel takes 84 registers (bf16: 64) and lost 3
+// to 4 % at 2560 and 3072. FUSEDOPS_NORM_VALUES, set, decides instead.
 bool bwd_mid_bf16(const fo_norm_bwd_params *p, const Shape &c) {
   return target_values(0) == 0 && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 &&
          (!p->weight || p->w_dtype == FO_BF16) && c.vec == 8 && c.nv == 1 && c.team > 256 && c.team < 512;
