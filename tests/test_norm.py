@@ -316,10 +316,11 @@ def test_warp_backward_rows(device, c):
 
 # bf16 rows of 2056-3840 values take the backward's 16 values a thread on CUDA
 # (norm_cuda.cu, bwd_mid_bf16): teams of 160 to 256 threads, three or two to a
-# block, the last thread's second chunk past the row at 2056 and 2600; beside
+# block, the last threads' second chunks past the row at 2056 and 2600; beside
 # them the calls it leaves to 8 values (fp16, an fp32 weight or residual).
-MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16), rms((5, 3840), torch.bfloat16),
-                 ln((3, 5, 3584), torch.bfloat16, bias=False), rms((300, 2600), torch.bfloat16, weight=False),
+MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16),
+                 rms((5, 3840), torch.bfloat16), ln((3, 5, 3584), torch.bfloat16, bias=False),
+                 rms((300, 2600), torch.bfloat16, weight=False),
                  ln((33, 3072), torch.float16), rms((33, 2560), torch.bfloat16, param="fp32"),
                  ln((33, 3584), torch.bfloat16, residual="fp32")]
 
