@@ -1404,6 +1404,19 @@ int64_t pipe_launch(KC *kcl, KP *k, const Shape &pc, size_t smem, int stages, in
   return grid;
 }
 
+// Calls f(integral_constant<C>) where `cols` is a width fwd_narrow is compiled
+// for, and returns whether it was: the one list of those widths.
+template <class F>
+bool with_narrow_cols(int64_t cols, F &&f) {
+  switch (cols) {
+    case 256: f(std::integral_constant<int, 256>{}); return true;
+    case 512: f(std::integral_constant<int, 512>{}); return true;
+    case 768: f(std::integral_constant<int, 768>{}); return true;
+    case 1024: f(std::integral_constant<int, 1024>{}); return true;
+    default: return false;
+  }
+}
+
 // Whether fwd_narrow runs a call: 16-byte access, x, s and weight of one
 // 16-bit dtype, a residual and a weight, 256, 512, 768 or 1024 columns, and a grid
 // of one block a row. FUSEDOPS_NORM_NARROW=0 turns it off, for tuning. At 768
@@ -1414,7 +1427,7 @@ bool narrow_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
   static const int on = env_int("FUSEDOPS_NORM_NARROW", 0, 1, 1);
   return on && vec_ok && fo_dtype_size(p->x_dtype) == 2 && p->s_dtype == p->x_dtype &&
          p->w_dtype == p->x_dtype && p->residual && p->weight && p->s &&
-         (p->cols == 256 || p->cols == 512 || p->cols == 768 || p->cols == 1024) && p->rows <= INT32_MAX;
+         with_narrow_cols(p->cols, [](auto) {}) && p->rows <= INT32_MAX;
 }
 
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
@@ -1506,10 +1519,7 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
     }
     k<<<(unsigned)p->rows, 32, 0, st>>>(*p);
   };
-  if (p->cols == 256) run(std::integral_constant<int, 256>{});
-  else if (p->cols == 512) run(std::integral_constant<int, 512>{});
-  else if (p->cols == 768) run(std::integral_constant<int, 768>{});
-  else run(std::integral_constant<int, 1024>{});
+  with_narrow_cols(p->cols, run);  // narrow_fwd has checked that it is one
 }
 
 // The backward's plan: the dx kernel, its grid and shared memory, and the
