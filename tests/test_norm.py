@@ -314,15 +314,19 @@ def test_warp_backward_rows(device, c):
     check_twice(c, device)
 
 
-# bf16 rows of 2056-3840 values take the backward's 16 values a thread on CUDA
-# (norm_cuda.cu, bwd_mid_bf16): teams of 160 to 256 threads, three or two to a
-# block, the last threads' second chunks past the row at 2056 and 2600; beside
-# them the calls it leaves to 8 values (fp16, an fp32 weight or residual).
+# The backward between 2048 and 4096 values on CUDA: 16-bit x and s from 2304
+# values run bwd_pipe (norm_cuda.cu, bwd_pipe_mid; teams of 160-256 threads,
+# at 2600 192 whose last chunks lie past the row), bf16 rows below it (2056, 2200) bwd_regs at 16 values a thread
+# (bwd_mid_bf16; the last threads' second chunks past the row at 2056 and
+# 2200), and an fp32 residual bwd_regs at 8. With
+# FUSEDOPS_NORM_BWD_PIPE_FROM=65536 (test_backward_plans_cuda) the rows of
+# 2304 and up take bwd_mid_bf16 (bf16) or 8 values (fp16, an fp32 weight).
 MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16),
                  rms((5, 3840), torch.bfloat16), ln((3, 5, 3584), torch.bfloat16, bias=False),
-                 rms((300, 2600), torch.bfloat16, weight=False),
+                 rms((300, 2600), torch.bfloat16, weight=False), ln((513, 2304), torch.bfloat16),
+                 ln((65, 2200), torch.bfloat16),
                  ln((33, 3072), torch.float16), rms((33, 2560), torch.bfloat16, param="fp32"),
-                 ln((33, 3584), torch.bfloat16, residual="fp32")]
+                 rms((600, 4096), torch.float16), ln((33, 3584), torch.bfloat16, residual="fp32")]
 
 
 @pytest.mark.parametrize("c", MID_BWD_CASES, ids=ids(MID_BWD_CASES))
@@ -369,13 +373,14 @@ def _tests_with_env(env, select):
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
                                  "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",
-                                 "FUSEDOPS_NORM_BWD_WARP=0"])
+                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536"])
 def test_backward_plans_cuda(env):
     """The backward's tuning switches: two and four pipeline stages, bwd_regs
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
-    (registers that cap a block at 512 threads), and two-warp teams where one
-    warp would do (bwd_warp off), on the pipe, wide-row, shape, 8-byte and
-    one-warp cases."""
+    (registers that cap a block at 512 threads), two-warp teams where one
+    warp would do (bwd_warp off), and bwd_regs for the 16-bit rows of
+    2560-4096 values (bwd_pipe_mid off), on the pipe, wide-row, shape, 8-byte,
+    one-warp and middle-width cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
                          "test_warp_backward or test_mid_backward) and cuda)")
 

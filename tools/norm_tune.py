@@ -7,7 +7,8 @@ kernels stage), FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
 past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
 forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
 512-wide fwd_narrow with the driver's L1 size) or FUSEDOPS_NORM_STATS_BLOCK=0
-(training's narrow forward a block a row) to compare plans:
+(training's narrow forward a block a row) or FUSEDOPS_NORM_BWD_PIPE_FROM=N (16-bit
+rows of N values and up run bwd_pipe; default 2304) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -56,8 +57,8 @@ def main():
                     help="the forward writes mean / rstd (training); by default it does not, as in the suite's "
                          "forward rows and torch.compile's inference kernel")
     ap.add_argument("--once", action="store_true",
-                    help="run fwd (as timed: statistics only with --stats), bwd (unless --fwd-only) and "
-                         "torch.compile's fwd once per shape, untimed (for ncu)")
+                    help="run fwd (as timed: statistics only with --stats), bwd (unless --fwd-only; dx only with "
+                         "--no-dwdb) and, with --compile, torch.compile's fwd once per shape, untimed (for ncu)")
     a = ap.parse_args()
     if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c", "e"}):
         ap.error(f"--order: letters o, c and e, o first, at least one c; got {a.order!r}")
@@ -74,7 +75,8 @@ def main():
         tag += " stats"
     for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
                       ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
-                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block")):
+                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block"),
+                      ("FUSEDOPS_NORM_BWD_PIPE_FROM", "bwd_pipe_from")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):
@@ -158,8 +160,9 @@ def once(a, dev, dt):
         ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, a.stats)  # the forward as timed
         if not a.fwd_only:  # the backward needs the statistics: a second forward saves them
             y, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, a.rms, False, True)
-            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, True, b is not None)
-        torch.compile(lambda *t: reference.add_norm(*t, 1e-5, a.rms))(x, r, w, b)
+            ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, a.rms, not a.no_dwdb, b is not None and not a.no_dwdb)
+        if a.compile:
+            torch.compile(lambda *t: reference.add_norm(*t, 1e-5, a.rms))(x, r, w, b)
     torch.cuda.synchronize()
 
 

@@ -27,8 +27,9 @@
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
  *                        shared memory, and each block writes one partial row.
- *   bwd_pipe             rows where bwd_regs' team would be the whole
- *                        multiprocessor (8K 16-bit values) and wider: teams of at
+ *   bwd_pipe             16-bit rows from 2304 values, and rows where bwd_regs'
+ *                        team would be the whole multiprocessor (8K 16-bit
+ *                        values) and wider: teams of at
  *                        most 512 threads whose rows are staged through shared
  *                        memory by cp.async, rows ahead, so that loads stay in
  *                        flight while a team reduces; past 16K values split over
@@ -1347,10 +1348,29 @@ int bwd_warp() {
 // 4096 rows (twice the partial rows), so it keeps 8; from 4104 up (8-value
 // teams over 512 threads: bwd_pipe) bwd_regs at 16 values lost 3 to 18 %.
 // fp16 keeps 8: its 16-value kernel takes 84 registers (bf16: 64) and lost 3
-// to 4 % at 2560 and 3072. FUSEDOPS_NORM_VALUES, set, decides instead.
+// to 4 % at 2560 and 3072. FUSEDOPS_NORM_VALUES, set, decides instead. From
+// 2304 values up bwd_pipe runs these rows (bwd_pipe_mid), which leaves this
+// rule rows of 2056-2296 and, with the pipe off, the rest.
 bool bwd_mid_bf16(const fo_norm_bwd_params *p, const Shape &c) {
   return target_values(0) == 0 && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 &&
          (!p->weight || p->w_dtype == FO_BF16) && c.vec == 8 && c.nv == 1 && c.team > 256 && c.team < 512;
+}
+
+// Whether rows of x and s of one 16-bit dtype, 2304 values and up, run
+// bwd_pipe where bwd_regs' teams would hold them (up to 4096 values; wider
+// rows run bwd_pipe anyway). The pipe keeps the next row's loads in flight
+// and dweight / dbias in registers; bwd_regs' teams stop loading while they
+// reduce and add each row to their sums in shared memory. Measured (v25, H100,
+// the backward against bwd_regs, LayerNorm / RMSNorm): bf16 7281x2304 +2.8 /
+// +0.4 %, 6553x2560 +2.7 / +0.5 %, 5461x3072 +7.7 / +1.6 %, 4096x4096 +8.5 /
+// +5.9 %, 16384x2304 +1.4 / +0.7 %, 16384x3072 +2.1 / -0.2 %, 16384x4096 +7.0
+// / +4.1 %; fp16 (whose bwd_regs keeps 8 values) 2560 +6.8 / +4.1 %, 3072
+// +16.6 / +15.4 %, 4096 +8.4 / +6.6 %, 16384x4096 +6.5 / +3.6 %. At 2048 wide
+// it lost 1.6-2.7 %. FUSEDOPS_NORM_BWD_PIPE_FROM sets the width it starts at
+// (4097 and up: never), for tuning.
+bool bwd_pipe_mid(const fo_norm_bwd_params *p, bool full) {
+  static const int from = env_int("FUSEDOPS_NORM_BWD_PIPE_FROM", 1, 1 << 30, 2304);
+  return full && fo_dtype_size(p->x_dtype) == 2 && p->s_dtype == p->x_dtype && p->cols >= from;
 }
 
 // Rows the pipe kernels stage ahead, plus one: 2 (one row ahead) measured
@@ -1537,9 +1557,10 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   }
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
     c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
-  // bwd_pipe where bwd_regs' team would be a whole multiprocessor, or where no
-  // team's registers hold the row.
-  const Shape pc = c.nv == 0 || c.team > kPipeThreads ? pipe_shape(p->cols, vec, full, device) : Shape{};
+  // bwd_pipe where bwd_regs' team would be a whole multiprocessor, where no
+  // team's registers hold the row, or for 16-bit rows of 2304 values and up.
+  const Shape pc = c.nv == 0 || c.team > kPipeThreads || bwd_pipe_mid(p, full) ? pipe_shape(p->cols, vec, full, device)
+                                                                              : Shape{};
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
