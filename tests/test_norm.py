@@ -316,9 +316,9 @@ def test_warp_backward_rows(device, c):
 
 # The backward between 2048 and 4096 values on CUDA: 16-bit x and s from 2304
 # values run bwd_pipe (norm_cuda.cu, bwd_pipe_mid; teams of 160-256 threads,
-# at 2600 192 whose last chunks lie past the row), bf16 rows below it (2056, 2200) bwd_regs at 16 values a thread
-# (bwd_mid_bf16; the last threads' second chunks past the row at 2056 and
-# 2200), and an fp32 residual bwd_regs at 8. With
+# at 2600 192 whose last chunks lie past the row), bf16 rows below it (2056,
+# 2200) bwd_regs at 16 values a thread (bwd_mid_bf16; the last threads'
+# second chunks past the row), and an fp32 residual bwd_regs at 8. With
 # FUSEDOPS_NORM_BWD_PIPE_FROM=65536 (test_backward_plans_cuda) the rows of
 # 2304 and up take bwd_mid_bf16 (bf16) or 8 values (fp16, an fp32 weight).
 MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16),
@@ -379,7 +379,7 @@ def test_backward_plans_cuda(env):
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
     (registers that cap a block at 512 threads), two-warp teams where one
     warp would do (bwd_warp off), and bwd_regs for the 16-bit rows of
-    2560-4096 values (bwd_pipe_mid off), on the pipe, wide-row, shape, 8-byte,
+    2304-4096 values (bwd_pipe_mid off), on the pipe, wide-row, shape, 8-byte,
     one-warp and middle-width cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
                          "test_warp_backward or test_mid_backward) and cuda)")
