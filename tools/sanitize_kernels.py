@@ -47,7 +47,8 @@ def norm_cases():
             (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
             (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
             (rms((37, 384), BF16), []),  # the backward one warp a row (bwd_warp)
-            (ln((37, 2600), BF16), []),  # the backward 16 values a thread (bwd_mid_bf16)
+            (ln((37, 2200), BF16), []),  # the backward 16 values a thread (bwd_mid_bf16)
+            (ln((37, 2600), BF16), []),  # bwd_pipe where bwd_regs would hold the row (bwd_pipe_mid)
             (rms((5, 16388), F16, residual="fp32"), [("x", "slice_half")]),  # 8-byte loop kernels
             (ln((5, 20000), BF16), []),  # wider than the register kernels take
             (rms((37, 1000), BF16, residual="none_fp32"), []),

@@ -27,9 +27,9 @@
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
  *                        shared memory, and each block writes one partial row.
- *   bwd_pipe             16-bit rows from 2304 values, and rows where bwd_regs'
- *                        team would be the whole multiprocessor (8K 16-bit
- *                        values) and wider: teams of at
+ *   bwd_pipe             16-bit rows from 2304 values, and rows whose bwd_regs
+ *                        team would pass 512 threads (from 4104 16-bit
+ *                        values) or that no team holds: teams of at
  *                        most 512 threads whose rows are staged through shared
  *                        memory by cp.async, rows ahead, so that loads stay in
  *                        flight while a team reduces; past 16K values split over
