@@ -276,7 +276,10 @@ def init_dist(args):
     if made:
         if "RANK" not in os.environ:
             sys.exit(f"--dist {args.dist}: start it with torchrun --nproc_per_node N examples/train.py ...")
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        if args.device.type == "cuda":  # bound to its GPU: NCCL's communicator made now, for this device
+            dist.init_process_group("nccl", device_id=args.device)
+        else:
+            dist.init_process_group("gloo")
     args.rank, args.world = dist.get_rank(), dist.get_world_size()
     if args.cfg["batch"] % args.world:
         sys.exit(f"--batch {args.cfg['batch']} (the global batch) does not split over {args.world} processes")

@@ -6,12 +6,17 @@
 #   2 GPUs, DDP              torchrun --nproc_per_node 2 examples/train.py --dist ddp
 #   2 GPUs, FSDP2            ... --dist fsdp --save-at STEPS/2 (a DCP checkpoint)
 #   2 GPUs, FSDP2 resumed    ... --dist fsdp --resume <that checkpoint> (fusedops run)
+#   1 GPU, torch AdamW       python examples/train.py --runs pytorch --resume <fusedops' checkpoint>
+#                            (FusedAdamW's FSDP2 state, 2 shards, into torch.optim.AdamW on one GPU)
+#   2 GPUs, FSDP2 back       ... --dist fsdp --runs fusedops --resume <pytorch's checkpoint>
+#                            (torch AdamW's FSDP2 state into FusedAdamW)
 #   2 GPUs, FSDP2, batch 16  ... --dist fsdp --batch 16 (weak scaling, WEAK_STEPS steps)
 # and prints a table last: tokens/s, peak memory, the loss curves' largest
 # difference from the 1-GPU run of the same kind at the end (the mean of the
 # last tenth of the steps; PASS within BF16_ATOL), over the first EARLY_STEPS
 # steps (PASS within EARLY_ATOL) and step by step (reported only), the
-# resumed curve's from the uninterrupted one, fusedops / pytorch tokens/s.
+# resumed curves' from the uninterrupted one they continue, fusedops /
+# pytorch tokens/s.
 # The tolerances are about 10x what rounding alone moved a curve on one H100:
 # examples/train.py --micro-batches 2 and 4 (DDP's arithmetic over 2 and 4
 # processes) against 1, 400 steps, plain and fusedops: end loss within
@@ -19,7 +24,8 @@
 # after the warm-up (steps 26-37) parted the curves by up to 2.9.
 #   tools/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.01 EARLY_STEPS=15 EARLY_ATOL=0.005
 #   DRY=1 tools/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
-# Summaries go to $OUT/dist (the device tool's folder) or ./gpu-out/dist;
+# Logs, summaries and plots go to $OUT/dist.tar.gz ($OUT: the device tool's
+# folder, or ./gpu-out);
 # checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +60,8 @@ step single python3 examples/train.py --runs pytorch,fusedops
 step ddp $run2 --dist ddp --runs pytorch,fusedops
 step fsdp $run2 --dist fsdp --runs pytorch,fusedops --save-at "$half" --ckpt-format dcp
 step resume $run2 --dist fsdp --runs fusedops --resume "$WORK/fsdp/fusedops-step$half"
+step adamw python3 examples/train.py --runs pytorch --resume "$WORK/fsdp/fusedops-step$half"
+step back $run2 --dist fsdp --runs fusedops --resume "$WORK/fsdp/pytorch-step$half"
 RUN_STEPS=$WEAK_STEPS step weak $run2 --dist fsdp --runs pytorch,fusedops --batch 16
 
 python3 - "$OUT/dist" "$BF16_ATOL" "$EARLY_STEPS" "$EARLY_ATOL" <<'EOF' || rc=1
@@ -101,18 +109,23 @@ for name, label in (("single", "1 GPU"), ("ddp", "DDP"), ("fsdp", "FSDP2"), ("we
     rs = load(name)
     if {"pytorch", "fusedops"} <= set(rs):
         print(f"fusedops / pytorch tokens/s, {label}: {rs['fusedops']['tokens_per_s'] / rs['pytorch']['tokens_per_s']:.3f}")
-full, resumed = load("fsdp").get("fusedops"), load("resume").get("fusedops")
-if full and resumed:
-    # Not bitwise in general: the attention backward's dQ sums by atomics
-    # (deterministic=False), so the resumed curve is judged as DDP's and FSDP2's are.
+# Each resumed run against the uninterrupted FSDP2 run whose checkpoint it
+# took. Not bitwise even where nothing changed: the attention backward sums dQ
+# by atomics (deterministic=False), so a resumed curve is judged as DDP's and
+# FSDP2's are.
+for name, run, source, what in (("resume", "fusedops", "fusedops", "FSDP2 fusedops resumed from DCP"),
+                                ("adamw", "pytorch", "fusedops", "1 GPU torch AdamW from FSDP2 FusedAdamW's DCP"),
+                                ("back", "fusedops", "pytorch", "FSDP2 FusedAdamW from torch AdamW's DCP")):
+    full, resumed = load("fsdp").get(source), load(name).get(run)
+    if not (full and resumed):
+        print(f"{what}: missing summaries"); ok = False
+        continue
     k = resumed["first_step"]
-    end, first = judge(resumed["losses"], full["losses"][k:], "FSDP2 resumed")
+    end, first = judge(resumed["losses"], full["losses"][k:], what)
     diff = max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][k:]))
-    print(f"FSDP2 fusedops resumed from DCP after step {k}, against the uninterrupted run: end loss {end:.4f}, "
+    print(f"{what}, after step {k}, against the uninterrupted {source} run: end loss {end:.4f}, "
           f"first {early} steps {first:.2e}, max|dloss| {diff:.2e} ({'PASS' if end <= atol and first <= early_atol else 'FAIL'}; "
           f"bitwise: {resumed['losses'] == full['losses'][k:]})")
-else:
-    print("FSDP2 resume: missing summaries"); ok = False
 rs = load("single")
 if {"pytorch", "fusedops"} <= set(rs):
     print(f"1 GPU, fusedops against pytorch: end loss {abs(tail(rs['fusedops']['losses']) - tail(rs['pytorch']['losses'])):.3f}, "
@@ -123,5 +136,7 @@ print(f"loss tolerance (bf16): end loss (mean of the last tenth of the steps) wi
       "against 1 parted the curves by up to 2.9 there, from rounding alone)")
 sys.exit(0 if ok else 1)
 EOF
-echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all"
+# Everything in one file: the device tool brings back at most 8.
+tar czf "$OUT/dist.tar.gz" -C "$OUT" dist && rm -rf "$OUT/dist"
+echo "dist_gpu.sh: $(( $(date +%s) - start )) s in all; logs, summaries and plots in $OUT/dist.tar.gz"
 exit $rc
