@@ -51,6 +51,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -351,7 +352,9 @@ def load_checkpoint(model, opt, path, args):
         import torch.distributed.checkpoint as dcp
         msd, osd = get_state_dict(model, opt)  # what to load, as this run holds it
         state = {"model": msd, "optim": osd, "step": 0}
-        dcp.load(state, checkpoint_id=path, no_dist=args.dist == "none")
+        with warnings.catch_warnings():  # one process by intent (--dist none): DCP's notice says so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=args.dist == "none")
         options = None
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)

@@ -14,6 +14,7 @@ read the summaries it writes:
   resume     FSDP2 from the DCP folder, steps 9-16
   adamw      one process, plain model and torch.optim.AdamW, from the FSDP2
              run's full state; saves after step 12 (DCP and full)
+  adamw_dcp  the same from the FSDP2 run's DCP folder (resharded: 2 -> 1)
   back_full  FSDP2 + FusedAdamW from torch AdamW's full state, steps 13-16
   back_dcp   the same from its DCP folder (resharded: 1 process -> 2)
   micro      one process, each batch in 2 micro-batches (DDP's arithmetic)
@@ -61,6 +62,8 @@ def _cases(out):
                   ("adamw", ["--device", "cpu", "--preset", "tiny", "--runs", "pytorch", "--dist", "none",
                              "--resume", str(out / "fsdp" / f"fusedops-step{SAVE_AT}.pt"),
                              "--save-at", str(RESAVE_AT)] + ckpt, False),
+                  ("adamw_dcp", ["--device", "cpu", "--preset", "tiny", "--runs", "pytorch", "--dist", "none",
+                                 "--resume", str(out / "fsdp" / f"fusedops-step{SAVE_AT}")], False),
                   ("back_full", fsdp + ["--resume", f"{adamw_ckpt}.pt"], True),
                   ("back_dcp", fsdp + ["--resume", str(adamw_ckpt)], True),
                   ("fsdp_micro", fsdp + micro, True)]
@@ -176,19 +179,39 @@ def test_fsdp_dcp_resume_continues_the_curve(runs):
 def test_fsdp_state_into_torch_adamw_and_back(runs):
     """FusedAdamW's state under FSDP2 (DTensor shards), gathered to a full
     state dict, loads into torch.optim.AdamW on an unsharded model, which
-    continues on the same curve; AdamW's state (full .pt, and DCP) loads back
+    continues on the same curve (from the full .pt, and from the DCP folder
+    resharded to one process); AdamW's state (full .pt, and DCP) loads back
     into FSDP2 + FusedAdamW, which continues on it too."""
     _needs_fsdp2()
     _, fsdp, _ = runs("fsdp")
-    first, adamw, _ = runs("adamw")
-    assert first == SAVE_AT
-    d = _max_diff(adamw, fsdp[SAVE_AT:])
-    assert d <= LOSS_ATOL, f"torch AdamW from the FSDP2 full state: curve off by {d:.3g}"
+    for name, what in (("adamw", "full state"), ("adamw_dcp", "DCP folder")):
+        first, adamw, _ = runs(name)
+        assert first == SAVE_AT
+        d = _max_diff(adamw, fsdp[SAVE_AT:])
+        assert d <= LOSS_ATOL, f"torch AdamW from the FSDP2 {what}: curve off by {d:.3g}"
     for name in ("back_full", "back_dcp"):
         first, back, _ = runs(name)
         assert first == RESAVE_AT
         d = _max_diff(back, fsdp[RESAVE_AT:])
         assert d <= LOSS_ATOL, f"{name}: FSDP2 + FusedAdamW from torch AdamW's state: curve off by {d:.3g}"
+
+
+def test_dist_gpu_script_dry_run(tmp_path):
+    """tools/dist_gpu.sh (the 2-GPU parity, resume and throughput call) in
+    its dry mode: the same steps and verdicts on the CPU, gloo and the tiny
+    preset, so that a GPU call's verdict is about training, not the script."""
+    pytest.importorskip("transformers")
+    _needs_fsdp2()
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), DIST_WORK=str(tmp_path / "work"),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "dist_gpu.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    log = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, log
+    for line in ("FSDP2 fusedops resumed from DCP, after step 8", "1 GPU torch AdamW from FSDP2 FusedAdamW's DCP",
+                 "FSDP2 FusedAdamW from torch AdamW's DCP", "all PASS"):
+        assert line in proc.stdout, f"no {line!r} in:\n{log}"
+    assert (tmp_path / "out" / "dist.tar.gz").stat().st_size > 0
 
 
 if __name__ == "__main__":
