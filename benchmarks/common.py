@@ -118,15 +118,27 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+# A call this long is timed by its median over 3, after one warm-up call,
+# not over 5 after two: on a CPU without native bf16 (AVX2), eager and
+# compiled bf16 attention run at 1-4 GFLOP/s, seconds a call. On a 2-core
+# AVX2 VM the default suite took 1482 s; its attention part 783 s, now 605 s.
+SLOW_CALL_S = 1.0
+
+
 def _warm_and_count(fn, device, budget_s, lo, hi):
-    """Warm up (at least 2 calls, about a quarter of the budget), then return
-    how many reps fill budget_s, clamped to [lo, hi]."""
+    """Warm up (at least 2 calls, about a quarter of the budget; one call past
+    SLOW_CALL_S), then return how many reps fill budget_s, clamped to [lo, hi]
+    (at least 3 past SLOW_CALL_S)."""
     n, t0 = 0, time.perf_counter()
     while n < 2 or time.perf_counter() - t0 < budget_s / 4:
         fn()
         _sync(device)
         n += 1
+        if time.perf_counter() - t0 > SLOW_CALL_S:
+            break
     per_call = (time.perf_counter() - t0) / n
+    if per_call > SLOW_CALL_S:
+        lo = min(lo, 3)
     return max(lo, min(hi, int(budget_s / per_call)))
 
 

@@ -84,3 +84,29 @@ def test_norm_cases_ask_inductor_for_an_option_it_has():
         for key, value in options.items():
             assert type(getattr(inductor_config, key)) is type(value), key
     assert not any(c.compile_options for c in bench_norm.cases(torch.device("cpu"), quick=True, sweep=False))
+
+
+def test_wall_clock_calls_by_call_length(monkeypatch):
+    """The CPU timer's calls (warm-up and timed) for calls of a given length,
+    on a fake clock that each call advances: 2 warm-ups and at least 5 timed
+    calls up to SLOW_CALL_S, 1 warm-up and 3 timed calls past it (the slow
+    CPU baselines), and the median of what the timed calls took."""
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+
+    def calls_for(seconds):
+        n = [0]
+
+        def fn():
+            n[0] += 1
+            now[0] += seconds
+        median = common.time_fn(fn, torch.device("cpu"))
+        assert abs(median - seconds) < 1e-12
+        return n[0]
+    assert calls_for(0.5) == 2 + 5
+    assert calls_for(0.9 * common.SLOW_CALL_S) == 2 + 5
+    assert calls_for(1.5 * common.SLOW_CALL_S) == 1 + 3
+    assert calls_for(10.0) == 1 + 3
+    # Short calls: warm-ups for a quarter of the 0.3 s budget (75, or 76 as the
+    # fake clock's sums round), then the budget's worth, capped at 200.
+    assert 75 + 200 <= calls_for(1e-3) <= 76 + 200
