@@ -373,16 +373,13 @@ def _tests_with_env(env, select):
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
                                  "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",
-                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536",
-                                 "FUSEDOPS_NORM_BWD_DEFER=1", "FUSEDOPS_NORM_BWD_DEFER=1 FUSEDOPS_NORM_BWD_PIPE_FROM=65536"])
+                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536"])
 def test_backward_plans_cuda(env):
     """The backward's tuning switches: two and four pipeline stages, bwd_regs
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
     (registers that cap a block at 512 threads), two-warp teams where one
     warp would do (bwd_warp off), and bwd_regs for the 16-bit rows of
-    2304-4096 values (bwd_pipe_mid off), bwd_regs' dweight / dbias sums
-    deferred to the next row's loads (bwd_defer; with the pipe off too, so that
-    bwd_regs takes the middle widths), on the pipe, wide-row, shape, 8-byte,
+    2304-4096 values (bwd_pipe_mid off), on the pipe, wide-row, shape, 8-byte,
     one-warp and middle-width cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
                          "test_warp_backward or test_mid_backward) and cuda)")

@@ -719,56 +719,7 @@ __device__ __forceinline__ void grad_terms(const Pack<T, VEC> &dyv, const Pack<S
   g = has_w ? dy * pack_value(wv, i) : dy;
 }
 
-// bwd_regs' row before, kept for DEFER (below); nothing without it.
-template <class T, class S, int VEC, int NV, bool DEFER>
-struct PrevRow {};
-template <class T, class S, int VEC, int NV>
-struct PrevRow<T, S, VEC, NV, true> {
-  Raw<S, VEC> s[NV];
-  Raw<T, VEC> dy[NV];
-  float mean = 0.f, rstd = 0.f;
-  bool have = false;
-  __device__ __forceinline__ void keep(const Raw<S, VEC> *sv, const Raw<T, VEC> *dyv, float m, float r) {
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      s[k] = sv[k];
-      dy[k] = dyv[k];
-    }
-    mean = m;
-    rstd = r;
-    have = true;
-  }
-  // Its dweight / dbias terms into the team's sums, as bwd_regs adds a row's
-  // without DEFER (written out there too, so that its kernels keep their code).
-  __device__ __forceinline__ void add_to(float4 *acc_w, float4 *acc_b, bool want_w, bool want_b, int team,
-                                         int tid, int64_t cols) const {
-    if (!have) return;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (((int64_t)k * team + tid) * VEC < cols) {
-#pragma unroll
-        for (int q = 0; q < VEC / 4; ++q) {
-          float dw[4], db[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float v = pack_value(dy[k].pack(), 4 * q + e);
-            dw[e] = v * ((pack_value(s[k].pack(), 4 * q + e) - mean) * rstd);  // dy * xhat, as grad_terms
-            db[e] = v;
-          }
-          const int at = (k * VEC / 4 + q) * team;
-          if (want_w) acc_w[at] = add4(acc_w[at], dw);
-          if (want_b) acc_b[at] = add4(acc_b[at], db);
-        }
-      }
-    }
-  }
-};
-
-// DEFER: a row's dweight / dbias terms go into the sums after the next row's
-// loads are issued, while they are in flight (its s and dy kept as loaded
-// until then), instead of between the row's loads and its reduction. The
-// same adds in the same order: the sums are bitwise those without it.
-template <class T, class S, class W, int VEC, int NV, bool DEFER = false>
+template <class T, class S, class W, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
   __shared__ float red[kMaxTeams][2][64];
   // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
@@ -790,7 +741,6 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
 #pragma unroll
     for (int q = 0; q < Q; ++q) acc_w[q * team] = acc_b[q * team] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  PrevRow<T, S, VEC, NV, DEFER> prev;  // DEFER: the row before, as loaded
 
   const int64_t row_step = (int64_t)gridDim.x * blockDim.y;
   int parity = 0;
@@ -815,7 +765,6 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
         if (p.weight) w[k] = load_raw<VEC, kReadOnly>(static_cast<const W *>(p.weight) + col(k));
       }
     }
-    if constexpr (DEFER) prev.add_to(acc_w, acc_b, want_w, want_b, team, tid, cols);
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -833,11 +782,9 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
             dw[e] = dy * xh;
             db[e] = dy;
           }
-          if constexpr (!DEFER) {
-            const int at = (k * VEC / 4 + q) * team;
-            if (want_w) acc_w[at] = add4(acc_w[at], dw);
-            if (want_b) acc_b[at] = add4(acc_b[at], db);
-          }
+          const int at = (k * VEC / 4 + q) * team;
+          if (want_w) acc_w[at] = add4(acc_w[at], dw);
+          if (want_b) acc_b[at] = add4(acc_b[at], db);
         }
       }
     }
@@ -860,10 +807,8 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
         store_f<VEC>(dx + col(k), o);
       }
     }
-    if constexpr (DEFER) prev.keep(sv, dyv, mean, rstd);
   }
   if (!want_w && !want_b) return;
-  if constexpr (DEFER) prev.add_to(acc_w, acc_b, want_w, want_b, team, tid, cols);
   // The block's partial rows: its teams' sums added in a fixed order.
   __syncthreads();
   const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
@@ -1428,17 +1373,6 @@ bool bwd_pipe_mid(const fo_norm_bwd_params *p, bool full) {
   return full && fo_dtype_size(p->x_dtype) == 2 && p->s_dtype == p->x_dtype && p->cols >= from;
 }
 
-// Whether bwd_regs adds a row's dweight / dbias terms to its sums while the
-// next row's loads are in flight (DEFER), for 16-bit s: 0 (the default) or 1,
-// FUSEDOPS_NORM_BWD_DEFER. Off until the whole CUDA suite and the sanitizers
-// have run it (v26: the backward +1.3 to +3.0 % LN bf16 at 512-2048 wide,
-// +1.7 / +2.4 % fp16, +0.1 to +1.1 % RMS bf16, on an H100; the backward plan
-// tests passed with it). fp32 s is left out: some of those kernels spill.
-int bwd_defer() {
-  static const int n = env_int("FUSEDOPS_NORM_BWD_DEFER", 0, 1, 0);
-  return n;
-}
-
 // Rows the pipe kernels stage ahead, plus one: 2 (one row ahead) measured
 // 0.01-0.03 of the copy above 3 and 4 at 32K-64K wide, forward and backward.
 // FUSEDOPS_NORM_STAGES (2 to 4; 0 or 1 selects the kernels before them: the
@@ -1647,9 +1581,6 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
         constexpr int VEC = decltype(v)::value;
         with_nv<VEC, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
           auto *k = bwd_regs<T, S, W, VEC, decltype(nv)::value>;
-          if constexpr (sizeof(S) == 2) {
-            if (bwd_defer()) k = bwd_regs<T, S, W, VEC, decltype(nv)::value, true>;
-          }
           const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * VEC * c.team * sizeof(float) : 0;
           allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
           const int grid = persistent_grid(k, p->rows, c, smem, device);
