@@ -302,6 +302,30 @@ def test_half_aligned_rows(device, c):
     check_twice(c, device)
 
 
+# Rows that no 8-byte access fits run the register kernels at 4 bytes a chunk
+# (16-bit rows of 2 mod 4 values, whose rows are 4-byte aligned; fp32 rows of
+# an even number of values: 8 bytes) or one element a chunk (odd widths) on
+# CUDA (norm_cuda.cu, access_vec), and past their teams the loop kernels one
+# element a load: one chunk a thread (62: the backward's dweight / dbias sums
+# padded to a float4), teams of 64-512 threads with 4 or 8 chunks a thread,
+# the forward's 8 chunks of 2 (8190) and of 1 (4095), the backward one warp a
+# row (262), the loop kernels past them (10002 and 8195 both ways, 4097
+# forward past the one-element forward's 512 threads and backward past its
+# 512); s, weight or no residual in other dtypes.
+SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
+                     rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
+                     rms((7, 8190), torch.bfloat16), ln((9, 10002), torch.bfloat16, residual="none"),
+                     ln((50, 202), torch.float32), rms((33, 1001), torch.float32, residual="none"),
+                     ln((5, 1025), torch.bfloat16), rms((1000, 263), torch.float16, residual="fp32"),
+                     ln((3, 4095), torch.bfloat16, param="fp32"), ln((4, 8195), torch.float16),
+                     ln((3, 4097), torch.bfloat16, weight=False, bias=False)]
+
+
+@pytest.mark.parametrize("c", SMALL_CHUNK_CASES, ids=ids(SMALL_CHUNK_CASES))
+def test_small_chunk_rows(device, c):
+    check_twice(c, device)
+
+
 # Rows where the backward's team would be two warps with lanes to spare run
 # one warp a row at twice the values on CUDA (norm_cuda.cu, bwd_warp): 384
 # and 264 16-bit values (and 260: HALF_CASES), 200 fp32 values.
@@ -373,16 +397,18 @@ def _tests_with_env(env, select):
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
                                  "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",
-                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536"])
+                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536",
+                                 "FUSEDOPS_NORM_SMALL_CHUNKS=0"])
 def test_backward_plans_cuda(env):
     """The backward's tuning switches: two and four pipeline stages, bwd_regs
     with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
     (registers that cap a block at 512 threads), two-warp teams where one
-    warp would do (bwd_warp off), and bwd_regs for the 16-bit rows of
-    2304-4096 values (bwd_pipe_mid off), on the pipe, wide-row, shape, 8-byte,
-    one-warp and middle-width cases."""
+    warp would do (bwd_warp off), bwd_regs for the 16-bit rows of 2304-4096
+    values (bwd_pipe_mid off), and the loop kernels where chunks would be of
+    one or two values (small_chunks off), on the pipe, wide-row, shape,
+    8-byte, small-chunk, one-warp and middle-width cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
-                         "test_warp_backward or test_mid_backward) and cuda)")
+                         "test_small_chunk or test_warp_backward or test_mid_backward) and cuda)")
 
 
 @requires_cuda
@@ -398,11 +424,47 @@ def test_forward_plans_cuda(env):
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
-# bwd_regs (4096; 4100: 8-byte loads), fwd_loop, bwd_loop and dwdb_cols (4099:
-# one element a load),
+# bwd_regs (4096; 4100: 8-byte loads; 1030: 4-byte; 1025: one element),
+# fwd_loop, bwd_loop and dwdb_cols (8195: one element a load; the backward of
+# 4099 too),
 # fwd_park under FUSEDOPS_NORM_PARK=2 (32768; test_forward_plans_cuda), the
 # cluster pipes (65536); colsum after every backward.
-BACK_TO_BACK = [(2048, 1024), (1024, 4096), (1024, 4100), (512, 4099), (96, 32768), (48, 65536)]
+BACK_TO_BACK = [(2048, 1024), (1024, 4096), (1024, 4100), (512, 4099), (1024, 1030), (1024, 1025),
+                (256, 8195), (96, 32768), (48, 65536)]
+
+
+@requires_cuda
+def test_backward_on_two_threads_cuda():
+    """One backward kernel launched from two threads with different shared
+    memory (autograd runs CUDA backwards on a thread of its own): rows of 512
+    bf16 values take bwd_regs' 8-value kernel with 60 KB of dynamic shared
+    memory, rows of 256 the same kernel with 30 KB. A grant of each call's
+    own bytes, remembered per thread, let the second thread's call lower the
+    kernel's limit under the first thread's next launch ("invalid argument")."""
+    import threading
+
+    def backward(cols):
+        x, r, dy, ds = (torch.randn(64, cols, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        w, b = (torch.randn(cols, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        _, s, mean, rstd = ops.add_norm_fwd(x, r, w, b, 1e-5, False, False)
+        got = ops.add_norm_bwd(dy, ds, s, w, b, mean, rstd, False, True, True)
+        torch.cuda.synchronize()
+        return got
+
+    backward(512)
+    errors = []
+
+    def other():
+        try:
+            backward(256)
+        except RuntimeError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    backward(512)  # raised "CUDA error: invalid argument" before
 
 
 @requires_cuda
@@ -448,9 +510,10 @@ def test_back_to_back_cuda(shape, rms_):
 # One width for each forward kernel that adds x and residual of one 16-bit
 # dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 768, 1024), fwd_regs with
 # one, two and four chunks a thread (4096, 8192, 16384), fwd_park (32768; every
-# row under FUSEDOPS_NORM_PARK=2, test_forward_plans_cuda), fwd_loop (4099:
-# one element a load) and the pipe (65536).
-EAGER_SUM_WIDTHS = [256, 512, 768, 1024, 4096, 8192, 16384, 32768, 4099, 65536]
+# row under FUSEDOPS_NORM_PARK=2, test_forward_plans_cuda), fwd_regs at 4 bytes
+# and one element a chunk (1030, 4099), fwd_loop (8195: one element a load)
+# and the pipe (65536).
+EAGER_SUM_WIDTHS = [256, 512, 768, 1024, 4096, 8192, 16384, 32768, 1030, 4099, 8195, 65536]
 
 
 @pytest.mark.parametrize("rms_", [False, True], ids=["ln", "rms"])
@@ -531,8 +594,9 @@ def test_raw_forward_outputs(device, c):
 
 
 # Every forward kernel on CUDA: one-warp and block teams, fwd_park (32768 bf16
-# and fp16), the pipe (65536) and the loop (misaligned: 4099).
-NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), rms((40, 4096), torch.float16, residual="fp32"),
+# and fp16), the pipe (65536), one element a chunk (4099) and the loop (8195).
+NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), ln((30, 8195), torch.bfloat16),
+                               rms((40, 4096), torch.float16, residual="fp32"),
                                  ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
                        ln((5, 65536), torch.bfloat16, residual="fp32")]
@@ -620,8 +684,9 @@ def relayout(t, kind):
     if kind == "permute":  # leading dims swapped: rows not one stride apart
         return t, t.transpose(0, 1).contiguous().transpose(0, 1)
     if kind.startswith("slice"):  # a slice along the last dim of a wider tensor
-        # 16-byte aligned rows, 8-byte (16-bit values), or one element's
-        start, extra = {"slice": (8, 16), "slice_half": (4, 8), "slice_misaligned": (1, 3)}[kind]
+        # 16-byte aligned rows, 8-byte (16-bit values), 4-byte, or one element's
+        start, extra = {"slice": (8, 16), "slice_half": (4, 8), "slice_quarter": (2, 6),
+                        "slice_misaligned": (1, 3)}[kind]
         return t, padded((*t.shape[:-1], t.shape[-1] + extra), (..., slice(start, start + t.shape[-1])))
     if kind == "rowstep":  # every other row of a taller tensor
         return t, padded((2 * t.shape[0], *t.shape[1:]), slice(None, None, 2))
@@ -631,11 +696,12 @@ def relayout(t, kind):
 
 
 LAYOUTS = [("x", "transpose"), ("x", "permute"), ("x", "slice"), ("x", "slice_misaligned"),
-           ("x", "slice_half"), ("x", "rowstep"), ("residual", "slice"), ("residual", "slice_misaligned"),
-           ("residual", "slice_half"),
+           ("x", "slice_half"), ("x", "slice_quarter"), ("x", "rowstep"), ("residual", "slice"),
+           ("residual", "slice_misaligned"), ("residual", "slice_half"), ("residual", "slice_quarter"),
            ("residual", "transpose"), ("residual", "expand"), ("residual", "rowstep"),
            ("weight", "stride2"), ("bias", "stride2"), ("gy", "slice"), ("gy", "slice_misaligned"),
-           ("gy", "transpose"), ("gy", "slice_half"), ("gs", "slice_misaligned"), ("gs", "expand")]
+           ("gy", "transpose"), ("gy", "slice_half"), ("gy", "slice_quarter"), ("gs", "slice_misaligned"),
+           ("gs", "expand")]
 LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"),
                 rms((24, 1000), torch.float16), rms((4, 6, 1000), torch.bfloat16, residual="fp32"),
                 ln((4, 6, 512), torch.bfloat16), rms((24, 1024), torch.float16),  # fwd_narrow
@@ -643,11 +709,11 @@ LAYOUT_CASES = [ln((4, 6, 1000), torch.bfloat16), ln((24, 1000), residual="fp32"
 LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
                  if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
 # Layouts whose results may differ in rounding from the contiguous ones on CUDA:
-# with rows not 16-byte aligned the CUDA kernels read 8 bytes or one element
-# at a time (norm_cuda.cu, access_vec), and sum in another order. Every other
+# with rows not 16-byte aligned the CUDA kernels read 8 or 4 bytes or one
+# element at a time (norm_cuda.cu, access_vec), and sum in another order. Every other
 # layout is read in place on the same path, or copied, and must give bitwise the
 # contiguous results.
-NOT_BITWISE_ON_CUDA = {"slice_misaligned", "slice_half"}
+NOT_BITWISE_ON_CUDA = {"slice_misaligned", "slice_half", "slice_quarter"}
 
 
 @pytest.mark.parametrize("c,arg,kind", LAYOUT_PARAMS, ids=[f"{c}-{a}-{k}" for c, a, k in LAYOUT_PARAMS])

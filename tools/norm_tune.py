@@ -8,7 +8,9 @@ past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
 forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
 512-wide fwd_narrow with the driver's L1 size) or FUSEDOPS_NORM_STATS_BLOCK=0
 (training's narrow forward a block a row) or FUSEDOPS_NORM_BWD_PIPE_FROM=N (16-bit
-rows of N values and up run bwd_pipe; default 2304) to compare plans:
+rows of N values and up run bwd_pipe; default 2304) or FUSEDOPS_NORM_SMALL_CHUNKS=0
+(rows that allow only 4-byte or one-element access run the loop kernels, not
+the register kernels) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -76,7 +78,8 @@ def main():
     for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
                       ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
                       ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block"),
-                      ("FUSEDOPS_NORM_BWD_PIPE_FROM", "bwd_pipe_from")):
+                      ("FUSEDOPS_NORM_BWD_PIPE_FROM", "bwd_pipe_from"),
+                      ("FUSEDOPS_NORM_SMALL_CHUNKS", "small_chunks")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

@@ -32,9 +32,10 @@ ops = torch.ops.fusedops
 
 def norm_cases():
     """(case, layouts): register kernels (aligned widths; widths of a multiple
-    of 4 16-bit values: 8-byte chunks), loop kernels (odd or misaligned
-    widths: one element a step; rows wider than the registers take: 16-byte
-    or 8-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
+    of 4 16-bit values: 8-byte chunks; 2 mod 4: 4-byte; odd or misaligned
+    widths: one element), loop kernels (odd rows wider than the one-element
+    teams take: one element a step; rows wider than the registers take:
+    16-byte or 8-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
     with: two an SM), fwd_narrow (rows of 512, 768 and 1024 16-bit values, one row
     stride its own; eight rows of 256 or LayerNorm's 512 a block, the last
     block part full, statistics gathered in shared memory), dweight / dbias
@@ -44,8 +45,12 @@ def norm_cases():
     return [(rms((2 * sms, 32768), BF16), []),
             (ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
             (ln((3, 5, 64), F32), []),
-            (ln((37, 1001), F16), []),  # odd width: loop kernels, scalar
+            (ln((37, 1001), F16), []),  # odd width: register kernels, one element a chunk
             (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
+            (ln((37, 1002), BF16, residual="fp32"), []),  # 2 mod 4: 4-byte register kernels
+            (rms((37, 202), F32), []),  # fp32, even: 8-byte register kernels
+            (ln((5, 62), BF16), []),  # one 4-byte chunk a thread: the backward's sums padded
+            (rms((5, 8195), BF16), []),  # odd, past the one-element teams: loop kernels, scalar
             (rms((37, 384), BF16), []),  # the backward one warp a row (bwd_warp)
             (ln((37, 2200), BF16), []),  # the backward 16 values a thread (bwd_mid_bf16)
             (ln((37, 2600), BF16), []),  # bwd_pipe where bwd_regs would hold the row (bwd_pipe_mid)

@@ -69,6 +69,13 @@ constexpr int max_threads(int values) { return values <= 8 ? 1024 : 512; }
 constexpr int fwd_max_threads(int values, bool bf16) {
   return values == kFwdMaxValues && bf16 ? 1024 : max_threads(values);
 }
+// bwd_regs' thread cap: max_threads's for chunks of 4 values and more; for
+// chunks of 1 or 2 (more addresses and registers a value) 512 past 4 values
+// a thread: at 1024 (64 registers) 8 chunks of one value spilled, and 4 of
+// two fp32 values.
+constexpr int bwd_max_threads(int values, int vec) {
+  return vec >= 4 ? max_threads(values) : values <= 4 ? 1024 : 512;
+}
 template <class T, class S, class W>
 constexpr bool all_bf16 = std::is_same_v<T, __nv_bfloat16> && std::is_same_v<S, T> && std::is_same_v<W, T>;
 constexpr int kMaxTeams = 15;      // named barriers 1..15
@@ -79,6 +86,9 @@ constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most thi
 // per step.
 constexpr int kLoopThreads = 512;
 constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
+// bwd_regs' dweight (and dbias) sums a thread keeps for its `values` values:
+// whole float4s (values of 1- and 2-element chunks grouped four at a time).
+constexpr int sums_per_thread(int values) { return (values + 3) / 4 * 4; }
 
 // Every kernel issues all loads of a step before its first store: the
 // compiler may not move a load of x, residual, dy or ds past a store to s, y
@@ -198,9 +208,9 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
 // holds the row in registers as s is stored (16-bit s: half the registers of
 // fp32 values; 40 registers for 16 bf16 values a thread where fp32 copies
 // took 64, and 3 blocks of 512 threads an SM instead of 2), every element
-// read once and written once with 16-byte accesses (8-byte where the rows
-// allow no more: access_vec); one row per team, no loop.
-// The 8-byte kernels (VEC of 16-bit T: 4) state one block an SM at the least,
+// read once and written once with 16-byte accesses (8 or 4 bytes, or one
+// element, where the rows allow no more: access_vec); one row per team, no loop.
+// The narrower kernels (VEC of 16-bit T: 4, 2, 1) state one block an SM at the least,
 // which is the default: said outright, ptxas keeps to the thread cap's
 // registers (fp16, 8 values: 38, where left to itself it squeezed into 32
 // and spilled on sm_80); the 16-byte kernels' SASS stays as tuned.
@@ -720,22 +730,24 @@ __device__ __forceinline__ void grad_terms(const Pack<T, VEC> &dyv, const Pack<S
 }
 
 template <class T, class S, class W, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_bwd_params p) {
+__global__ void __launch_bounds__(bwd_max_threads(NV * VEC, VEC)) bwd_regs(const fo_norm_bwd_params p) {
   __shared__ float red[kMaxTeams][2][64];
   // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
   // its rows. Shared memory rather than registers: two arrays fewer per
   // thread, and the occupancy that buys keeps more loads in flight. Every
   // column belongs to one thread of the team, so the sums need no atomics.
   // Values go in float4s: values 4q..4q+3 of thread tid (q over its NV * VEC
-  // values) are float4 number q * team + tid, so that a warp's 16-byte
-  // accesses are contiguous (no bank conflicts) and an update of 8 values is
-  // two LDS.128 + two STS.128 (ncu: scalar slots left the backward issue-bound).
+  // values, value j being value j % VEC of chunk j / VEC) are float4 number
+  // q * team + tid, so that a warp's 16-byte accesses are contiguous (no bank
+  // conflicts) and an update of 8 values is two LDS.128 + two STS.128 (ncu:
+  // scalar slots left the backward issue-bound). Chunks of 1 or 2 values
+  // (VEC < 4) share float4s, the last one padded with zeros.
   extern __shared__ float4 acc[];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols;
   const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
   auto col = [&](int k) { return ((int64_t)k * team + tid) * VEC; };
-  constexpr int Q = NV * VEC / 4;  // float4s per thread per array
+  constexpr int Q = sums_per_thread(NV * VEC) / 4;  // float4s per thread per array
   float4 *acc_w = acc + threadIdx.y * 2 * Q * team + tid, *acc_b = acc_w + Q * team;
   if (want_w || want_b) {
 #pragma unroll
@@ -766,26 +778,47 @@ __global__ void __launch_bounds__(max_threads(NV * VEC)) bwd_regs(const fo_norm_
       }
     }
     float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
+    if constexpr (VEC % 4 == 0) {
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
+      for (int k = 0; k < NV; ++k) {
+        if (col(k) < cols) {
 #pragma unroll
-        for (int q = 0; q < VEC / 4; ++q) {
-          float dw[4], db[4];
+          for (int q = 0; q < VEC / 4; ++q) {
+            float dw[4], db[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 4 * q + e;
+            for (int e = 0; e < 4; ++e) {
+              const int i = 4 * q + e;
+              float dy, xh, g;
+              grad_terms(dyv[k].pack(), sv[k].pack(), w[k].pack(), i, p.weight, mean, rstd, dy, xh, g);
+              sums[0] += g;
+              sums[1] += g * xh;
+              dw[e] = dy * xh;
+              db[e] = dy;
+            }
+            const int at = (k * VEC / 4 + q) * team;
+            if (want_w) acc_w[at] = add4(acc_w[at], dw);
+            if (want_b) acc_b[at] = add4(acc_b[at], db);
+          }
+        }
+      }
+    } else {  // chunks of 1 or 2 values: a float4 of sums spans chunks
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        float dw[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 4 * q + e, k = j / VEC;
+          if (j < NV * VEC && col(k) < cols) {
             float dy, xh, g;
-            grad_terms(dyv[k].pack(), sv[k].pack(), w[k].pack(), i, p.weight, mean, rstd, dy, xh, g);
+            grad_terms(dyv[k].pack(), sv[k].pack(), w[k].pack(), j % VEC, p.weight, mean, rstd, dy, xh, g);
             sums[0] += g;
             sums[1] += g * xh;
             dw[e] = dy * xh;
             db[e] = dy;
           }
-          const int at = (k * VEC / 4 + q) * team;
-          if (want_w) acc_w[at] = add4(acc_w[at], dw);
-          if (want_b) acc_b[at] = add4(acc_b[at], db);
         }
+        if (want_w) acc_w[q * team] = add4(acc_w[q * team], dw);
+        if (want_b) acc_b[q * team] = add4(acc_b[q * team], db);
       }
     }
     team_sum(sums, team, red[threadIdx.y][parity]);
@@ -1103,7 +1136,7 @@ int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 // How a call runs: the register kernel when the row fits in registers, else
 // the loop kernel with one block per row.
 struct Shape {
-  int vec;   // elements of x per access: access_vec's (16 or 8 bytes, or 1)
+  int vec;   // elements of x per access: access_vec's (16, 8 or 4 bytes, or 1)
   int nv;    // chunks per thread in the register kernels; 0 selects the loop kernel
   int team;  // threads per row
   int rpb;   // rows (teams) per block
@@ -1135,7 +1168,14 @@ int fwd_team_cap() {
   return n;
 }
 
+// The loop kernels' vector: 16 or 8 bytes of x (vec of at least 4), else one
+// element. Chunks of 2 values (4 bytes of 16-bit x, 8 of fp32) only the
+// register kernels are compiled for: rows past their teams are rare, and a
+// loop width is three more kernels a dtype combination.
+int loop_vec(int vec) { return vec >= 4 ? vec : 1; }
+
 Shape loop_shape(int64_t cols, int vec) {
+  vec = loop_vec(vec);
   const int64_t chunks = (cols + vec - 1) / vec;
   return Shape{vec, 0, (int)std::min<int64_t>(kLoopThreads, std::max<int64_t>(128, round_up32(chunks / 4))), 1};
 }
@@ -1143,11 +1183,11 @@ Shape loop_shape(int64_t cols, int vec) {
 // The fewest chunks per thread (a power of two) that give at least `target`
 // values and a team within its thread cap, cap(values), up to `max_values`.
 template <class Cap>
-Shape choose(int64_t cols, int vec, bool vec_ok, int target, int max_values, Cap cap) {
+Shape choose(int64_t cols, int vec, int target, int max_values, Cap cap) {
   Shape c{};
-  c.vec = vec_ok ? vec : 1;
+  c.vec = vec;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
-  for (int nv = 1; vec_ok && nv * vec <= max_values; nv *= 2) {
+  for (int nv = 1; nv * vec <= max_values; nv *= 2) {
     const int64_t team = std::max(32, round_up32((chunks + nv - 1) / nv));
     if (nv * vec < target && nv * vec * 2 <= max_values && team > 32) continue;
     if (team <= cap(nv * vec)) {
@@ -1212,24 +1252,27 @@ int active_clusters(K *kernel, int cl, int threads, size_t smem) {
 }
 
 // Lets `kernel` take `smem` bytes of dynamic shared memory on `device` (past
-// 48 KB of static and dynamic shared memory a kernel must ask first). The
-// most granted is remembered per kernel and device: on the hot path a call
-// is a look-up.
+// 48 KB of static and dynamic shared memory a kernel must ask first): the
+// first call for a kernel and device grants it all a block may opt in to,
+// and later calls are a look-up. One value, the most: the attribute is the
+// kernel's, not the thread's, and granting each call its own bytes let a
+// call on one thread (autograd's) lower the limit under a launch on another,
+// which then failed with "invalid argument".
 template <class K>
 void allow_smem(K *kernel, size_t smem, int device) {
-  struct Entry { const void *k; int device; size_t smem; };
+  struct Entry { const void *k; int device; };
   thread_local Entry cache[32];
   thread_local int used = 0;
-  Entry *e = nullptr;
-  for (int i = 0; i < used && !e; ++i)
-    if (cache[i].k == (const void *)kernel && cache[i].device == device) e = &cache[i];
-  if (e && e->smem >= smem) return;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return;
-  if (!e) {
-    e = &cache[used % 32];
-    used = used < 32 ? used + 1 : 32;
-  }
-  *e = {(const void *)kernel, device, smem};
+  if (smem == 0) return;
+  for (int i = 0; i < used; ++i)
+    if (cache[i].k == (const void *)kernel && cache[i].device == device) return;
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem_optin(device) - (int)a.sharedSizeBytes) != cudaSuccess)
+    return;  // the error stays for last_error(), after the launch
+  cache[used % 32] = {(const void *)kernel, device};
+  used = used < 32 ? used + 1 : 32;
 }
 
 // Persistent grid: as many blocks as are resident at once, at most one per row group.
@@ -1261,30 +1304,46 @@ bool bwd_vec_ok(const fo_norm_bwd_params *p, int vec) {
          fits(p->dx, p->cols, ss, vec) && fits(p->ds, p->ds_stride, ss, vec) && fits(p->weight, 0, ws, vec);
 }
 
-// Elements of x a call's kernels read at a time: 16 bytes (V = 16 / x's
-// size) where every row allows it; else, for 16-bit x, 8 bytes (V / 2: rows
-// of a multiple of 4 values, or a slice starting 8 bytes in); else one. The
-// 8-byte kernels are the register and loop kernels (not fwd_narrow, fwd_park
-// or the pipes, which are 16-byte only). One element a load measured 0.25-0.54
-// of the copy where 8 bytes were possible, under eager's 0.34-0.70 (which
-// reads 4 values at a time there; docs/perf-notes.md, v22).
+// Elements of x a call's kernels read at a time: the widest of 16, 8 and 4
+// bytes (V = 16 / x's size, V / 2, V / 4) that every row allows (rows of a
+// multiple of that many values, and every array's rows aligned to it), else
+// one (odd widths; a slice starting at an odd element). fwd_narrow, fwd_park
+// and the pipes are 16-byte only; the register kernels take every width, the
+// loop kernels 16 and 8 bytes and one element (loop_vec). One element a load
+// measured 0.25-0.54 of the copy where 8 bytes were possible, under eager's
+// 0.34-0.70 (v22), and in the loop kernels 0.35-0.6 where 4 bytes were or
+// the row was odd (v27: the register kernels at 4 bytes and one element).
 template <class P, class Ok>
 int access_vec(const P *p, Ok ok) {
-  const int v = 16 / fo_dtype_size(p->x_dtype);
-  if (ok(p, v)) return v;
-  return v == 8 && ok(p, 4) ? 4 : 1;
+  for (int v = 16 / fo_dtype_size(p->x_dtype); v > 1; v /= 2)
+    if (ok(p, v)) return v;
+  return 1;
 }
 
-// Calls f(integral_constant<VEC>) for a register kernel's vec (V or V / 2
-// for 16-bit T: access_vec's) or, with kOne, also a loop kernel's 1.
-template <class T, bool kOne, class F>
+// Whether the register kernels take chunks of 1 or 2 values (access_vec's 4
+// bytes or one element): 1 (the default) or 0, the loop kernels one element a
+// load as before v27, for tuning. FUSEDOPS_NORM_SMALL_CHUNKS overrides it.
+int small_chunks() {
+  static const int n = env_int("FUSEDOPS_NORM_SMALL_CHUNKS", 0, 1, 1);
+  return n;
+}
+
+// Calls f(integral_constant<VEC>) for vec: a register kernel's (V, V / 2,
+// V / 4 of at least 2, or 1: access_vec's) or, with kLoop, a loop kernel's
+// (loop_vec's: V, 4 for 16-bit T, or 1).
+template <class T, bool kLoop, class F>
 void with_vec(int vec, F &&f) {
   constexpr int V = 16 / sizeof(T);
   if (vec == V) f(std::integral_constant<int, V>{});
+  else if (vec == 1) f(std::integral_constant<int, 1>{});
   else if constexpr (V == 8) {
     if (vec == 4) f(std::integral_constant<int, 4>{});
-    else if constexpr (kOne) f(std::integral_constant<int, 1>{});
-  } else if constexpr (kOne) f(std::integral_constant<int, 1>{});
+    else if constexpr (!kLoop) {
+      if (vec == 2) f(std::integral_constant<int, 2>{});
+    }
+  } else if constexpr (!kLoop) {
+    if (vec == 2) f(std::integral_constant<int, 2>{});
+  }
 }
 
 // Calls f(Tag<T>, Tag<S>, Tag<W>) for the (x, s, weight) dtypes: s and weight
@@ -1548,15 +1607,18 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int v16 = 16 / fo_dtype_size(p->x_dtype), vec = access_vec(p, bwd_vec_ok);
   const bool full = vec == v16;  // 16-byte access: the pipes too
-  const int max_values = kBwdMaxValues * v16 / 8;
-  Shape c = choose(p->cols, vec, vec > 1, target_values(v16), max_values, max_threads);
-  if (bwd_mid_bf16(p, c)) c = choose(p->cols, vec, true, 2 * v16, max_values, max_threads);
+  // with_nv's counts go to 8 chunks: 8 values a thread of one element, 16 of 2.
+  const int max_values = std::min(kBwdMaxValues * v16 / 8, 8 * vec);
+  auto cap = [&](int values) { return bwd_max_threads(values, vec); };
+  Shape c = choose(p->cols, vec, target_values(v16), max_values, cap);
+  if (bwd_mid_bf16(p, c)) c = choose(p->cols, vec, 2 * v16, max_values, cap);
+  if (vec < 4 && !small_chunks()) c = loop_shape(p->cols, vec);
   if (bwd_warp() && c.nv && c.team == 64 && p->cols < (int64_t)64 * c.nv * c.vec && 2 * c.nv * c.vec <= max_values) {
     c.nv *= 2;
     c.team = 32;
   }
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
-    c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), max_threads(c.nv * c.vec)) / c.team));
+    c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), cap(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, where no
   // team's registers hold the row, or for 16-bit rows of 2304 values and up.
   const Shape pc = c.nv == 0 || c.team > kPipeThreads || bwd_pipe_mid(p, full) ? pipe_shape(p->cols, vec, full, device)
@@ -1581,7 +1643,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
         constexpr int VEC = decltype(v)::value;
         with_nv<VEC, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
           auto *k = bwd_regs<T, S, W, VEC, decltype(nv)::value>;
-          const size_t smem = want ? (size_t)c.rpb * 2 * c.nv * VEC * c.team * sizeof(float) : 0;
+          const size_t smem = want ? (size_t)c.rpb * 2 * sums_per_thread(c.nv * VEC) * c.team * sizeof(float) : 0;
           allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
           const int grid = persistent_grid(k, p->rows, c, smem, device);
           parts = want ? grid : 0;
@@ -1628,21 +1690,27 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     });
     return last_error();
   }
-  const int target = target_values(16 * v16 / 8), max_values = kFwdMaxValues * v16 / 8;
+  // with_nv's counts go to 8 chunks: 8 values a thread of one element, 16 of 2.
+  const int target = target_values(16 * v16 / 8), max_values = std::min(kFwdMaxValues * v16 / 8, 8 * vec);
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
   // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
   // 0.86 at 8192.
-  Shape c = choose(p->cols, vec, vec > 1, target_values(8), max_values, max_threads);
-  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, vec > 1, target, max_values, max_threads);
+  Shape c = choose(p->cols, vec, target_values(8), max_values, max_threads);
+  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, target, max_values, max_threads);
   // Rows no 512-thread team holds: 1024-thread teams of 32 bf16 values
   // (fwd_team_cap). At 16384 wide, 16 values x 1024 measured 0.88 / 0.91 of
   // the copy (LN / RMS) against 32 x 512's 0.91 / 0.92: only where 512 cannot.
   const bool bf16 = full && p->x_dtype == FO_BF16 && p->s_dtype == FO_BF16 && p->w_dtype == FO_BF16;
   if (c.nv == 0)
-    c = choose(p->cols, vec, vec > 1, max_values, max_values,
+    c = choose(p->cols, vec, max_values, max_values,
                [&](int values) { return std::min(fwd_max_threads(values, bf16), fwd_team_cap()); });
-  if (c.nv && (p->rows + c.rpb - 1) / c.rpb > INT32_MAX) c = loop_shape(p->cols, c.vec);
+  // The loop kernel also where a team would take one-element chunks past 512
+  // threads (odd rows of 4097-8192 values): at 4096 x 4097 bf16 it read 1331 /
+  // 1636 GB/s (LN / RMS) against the 544-thread team's 1235 / 1385 (v27).
+  if (c.nv && ((p->rows + c.rpb - 1) / c.rpb > INT32_MAX || (vec < 4 && !small_chunks()) ||
+               (vec == 1 && c.team > kFwdNarrowTeam)))
+    c = loop_shape(p->cols, c.vec);
   // fwd_pipe where no register team holds the row (on sm_90, split over a
   // cluster), rather than the loop kernel. Where one does, fwd_regs is faster:
   // 0.87-0.90 of the copy against 0.84-0.88 at 16384 wide, 0.93 against
