@@ -51,3 +51,19 @@ def test_host_overhead_runs_with_either_autograd_kernel():
         assert f"autograd kernels: {kernel}" in out
         rows = [line for line in out.splitlines() if line.startswith("| ") and "impl" not in line]
         assert len(rows) == 12 and all(len(r.split("|")) == 7 for r in rows), out
+
+
+def test_norm_offgrid_runs_the_shapes_given(tmp_path):
+    """tools/norm_offgrid.py runs the suite's norm cases at the shapes it is
+    given, in place of the suite's own."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).resolve().parent.parent / "tools" / "norm_offgrid.py"
+    proc = subprocess.run([sys.executable, str(tool), "--shapes", "6x7,5x2050", "--out", str(tmp_path),
+                           "--no-compile"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert {r["shape"] for r in rows} == {"6x7", "5x2050"}
+    assert {r["impl"] for r in rows} == {"fusedops", "eager"}
