@@ -597,7 +597,7 @@ def test_raw_forward_outputs(device, c):
 # and fp16), the pipe (65536), one element a chunk (4099) and the loop (8195).
 NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), ln((30, 8195), torch.bfloat16),
                                rms((40, 4096), torch.float16, residual="fp32"),
-                                 ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
+                               ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
                        ln((5, 65536), torch.bfloat16, residual="fp32")]
 

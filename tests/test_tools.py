@@ -1,6 +1,8 @@
 """The checks CI runs on the compiled kernels: tools/ptx_stores.py must flag a
 16-byte store split into 32-bit ones, and only that. And tools/host_overhead.py
-runs, with fusedops' autograd kernels and with torch's."""
+runs, with fusedops' autograd kernels and with torch's, and tools/norm_offgrid.py
+runs the shapes it is given."""
+import json
 import os
 import subprocess
 import sys
@@ -56,10 +58,6 @@ def test_host_overhead_runs_with_either_autograd_kernel():
 def test_norm_offgrid_runs_the_shapes_given(tmp_path):
     """tools/norm_offgrid.py runs the suite's norm cases at the shapes it is
     given, in place of the suite's own."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
     tool = Path(__file__).resolve().parent.parent / "tools" / "norm_offgrid.py"
     proc = subprocess.run([sys.executable, str(tool), "--shapes", "6x7,5x2050", "--out", str(tmp_path),
                            "--no-compile"], capture_output=True, text=True, timeout=600)
