@@ -308,17 +308,20 @@ def test_half_aligned_rows(device, c):
 # CUDA (norm_cuda.cu, access_vec), and past their teams the loop kernels one
 # element a load: one chunk a thread (62: the backward's dweight / dbias sums
 # padded to a float4), teams of 64-512 threads with 4 or 8 chunks a thread,
-# the forward's 8 chunks of 2 (8190) and of 1 (4095), the backward one warp a
-# row (262), the loop kernels past them (10002 and 8195 both ways, 4097
-# forward past the one-element forward's 512 threads and backward past its
-# 512); s, weight or no residual in other dtypes.
+# the forward's 8 chunks of 2 (8190) and of 1 (4095), the backward's 16 of 1
+# (4097, 6001: teams of 288 and 384), the backward one warp a row (262), the
+# loop kernels past them (8195 both ways; 10002, 16382 and 16386 both ways;
+# 4097 and 6001 forward); teams of one-element chunks two rows a block (1025,
+# 4095: resident_rows); s, weight or no residual in other dtypes.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
                      rms((7, 8190), torch.bfloat16), ln((9, 10002), torch.bfloat16, residual="none"),
                      ln((50, 202), torch.float32), rms((33, 1001), torch.float32, residual="none"),
                      ln((5, 1025), torch.bfloat16), rms((1000, 263), torch.float16, residual="fp32"),
                      ln((3, 4095), torch.bfloat16, param="fp32"), ln((4, 8195), torch.float16),
-                     ln((3, 4097), torch.bfloat16, weight=False, bias=False)]
+                     ln((3, 4097), torch.bfloat16, weight=False, bias=False),
+                     rms((17, 6001), torch.float16, residual="fp32"), ln((5, 16382), torch.bfloat16, param="fp32"),
+                     ln((3, 16386), torch.bfloat16, residual="none")]
 
 
 @pytest.mark.parametrize("c", SMALL_CHUNK_CASES, ids=ids(SMALL_CHUNK_CASES))
@@ -326,11 +329,17 @@ def test_small_chunk_rows(device, c):
     check_twice(c, device)
 
 
-# Rows where the backward's team would be two warps with lanes to spare run
-# one warp a row at twice the values on CUDA (norm_cuda.cu, bwd_warp): 384
-# and 264 16-bit values (and 260: HALF_CASES), 200 fp32 values.
+# Rows where a team would be two warps with lanes to spare run one warp a row
+# at twice the values on CUDA: the backward's wherever the team is not full
+# (norm_cuda.cu, bwd_warp: 384 and 264 16-bit values, 260 in HALF_CASES, 200
+# fp32 values, 257 in 16 chunks of one element, 258 in 8 of two; 259 fp32
+# keeps its team of 64), the forward's where about half its chunk slots are
+# empty and its chunks are of 16 bytes, or of 8 for LayerNorm (fwd_warp: 264;
+# LayerNorm's 260 in HALF_CASES; not 384, nor 257-259).
 WARP_BWD_CASES = [ln((100, 384), torch.bfloat16), rms((33, 264), torch.float16, residual="fp32"),
-                  ln((50, 200), torch.float32, residual="none")]
+                  ln((50, 200), torch.float32, residual="none"), ln((65, 257), torch.bfloat16),
+                  rms((40, 258), torch.float16, residual="fp32"), ln((9, 259), torch.float32),
+                  rms((3, 257), torch.bfloat16, param="fp32", residual="none")]
 
 
 @pytest.mark.parametrize("c", WARP_BWD_CASES, ids=ids(WARP_BWD_CASES))
@@ -409,6 +418,19 @@ def test_backward_plans_cuda(env):
     8-byte, small-chunk, one-warp and middle-width cases."""
     _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
                          "test_small_chunk or test_warp_backward or test_mid_backward) and cuda)")
+
+
+@requires_cuda
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
+                                 "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2"])
+def test_chunk_plans_cuda(env):
+    """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
+    one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
+    and before resident_rows (BWD_BLOCK set: the block target decides), and
+    the forward's one-warp rule off (FWD_WARP=0) and taken wherever a warp
+    holds the row (2: 384 and 258 among them), on the shape, 8-byte,
+    small-chunk and one-warp cases."""
+    _tests_with_env(env, "(test_shapes or test_half_aligned or test_small_chunk or test_warp_backward) and cuda")
 
 
 @requires_cuda

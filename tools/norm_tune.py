@@ -10,7 +10,12 @@ forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
 (training's narrow forward a block a row) or FUSEDOPS_NORM_BWD_PIPE_FROM=N (16-bit
 rows of N values and up run bwd_pipe; default 2304) or FUSEDOPS_NORM_SMALL_CHUNKS=0
 (rows that allow only 4-byte or one-element access run the loop kernels, not
-the register kernels) to compare plans:
+the register kernels) or FUSEDOPS_NORM_BWD_CHUNKS=8 (bwd_regs at most 8
+chunks a thread, as before v28) or FUSEDOPS_NORM_FWD_WARP=0|2 (the
+forward's one-warp rows never, or wherever a warp holds the row) or
+FUSEDOPS_NORM_BWD_WARP=0 or FUSEDOPS_NORM_BWD_BLOCK=N (threads a backward
+block aims for; set, it also turns off the one- and two-value chunks' rows a
+block for the most resident warps) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -79,7 +84,9 @@ def main():
                       ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
                       ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block"),
                       ("FUSEDOPS_NORM_BWD_PIPE_FROM", "bwd_pipe_from"),
-                      ("FUSEDOPS_NORM_SMALL_CHUNKS", "small_chunks")):
+                      ("FUSEDOPS_NORM_SMALL_CHUNKS", "small_chunks"), ("FUSEDOPS_NORM_BWD_CHUNKS", "bwd_chunks"),
+                      ("FUSEDOPS_NORM_FWD_WARP", "fwd_warp"), ("FUSEDOPS_NORM_BWD_WARP", "bwd_warp"),
+                      ("FUSEDOPS_NORM_BWD_BLOCK", "bwd_block")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

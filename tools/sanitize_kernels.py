@@ -33,7 +33,9 @@ ops = torch.ops.fusedops
 def norm_cases():
     """(case, layouts): register kernels (aligned widths; widths of a multiple
     of 4 16-bit values: 8-byte chunks; 2 mod 4: 4-byte; odd or misaligned
-    widths: one element), loop kernels (odd rows wider than the one-element
+    widths: one element; the backward up to 16 one-element chunks, one warp
+    a row at 257, two teams a block at 1025; the forward one warp a row at
+    264), loop kernels (odd rows wider than the one-element
     teams take: one element a step; rows wider than the registers take:
     16-byte or 8-byte steps), fwd_park (as many rows of 32K as its blocks fill one wave
     with: two an SM), fwd_narrow (rows of 512, 768 and 1024 16-bit values, one row
@@ -52,6 +54,10 @@ def norm_cases():
             (ln((5, 62), BF16), []),  # one 4-byte chunk a thread: the backward's sums padded
             (rms((5, 8195), BF16), []),  # odd, past the one-element teams: loop kernels, scalar
             (rms((37, 384), BF16), []),  # the backward one warp a row (bwd_warp)
+            (ln((37, 257), BF16), []),  # ... of 16 one-element chunks (kBwdMaxChunks)
+            (ln((37, 264), F16), []),  # the forward one warp a row (fwd_warp)
+            (rms((7, 4097), BF16), []),  # the backward's 16 one-element chunks, a team of 288
+            (ln((37, 1025), BF16), []),  # one-element backward teams two a block (resident_rows)
             (ln((37, 2200), BF16), []),  # the backward 16 values a thread (bwd_mid_bf16)
             (ln((37, 2600), BF16), []),  # bwd_pipe where bwd_regs would hold the row (bwd_pipe_mid)
             (rms((5, 16388), F16, residual="fp32"), [("x", "slice_half")]),  # 8-byte loop kernels

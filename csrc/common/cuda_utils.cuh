@@ -506,14 +506,15 @@ template <class K>
 int blocks_per_sm(K *kernel, int threads, size_t smem) {
   struct Entry { const void *k; int threads; size_t smem; int n; };
   thread_local Entry cache[64];
-  thread_local int used = 0;
+  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
   for (int i = 0; i < used; ++i)
     if (cache[i].k == (const void *)kernel && cache[i].threads == threads && cache[i].smem == smem)
       return cache[i].n;
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1)
     n = 1;
-  cache[used % 64] = {(const void *)kernel, threads, smem, n};
+  cache[next] = {(const void *)kernel, threads, smem, n};
+  next = (next + 1) % 64;
   used = used < 64 ? used + 1 : 64;
   return n;
 }

@@ -1180,10 +1180,45 @@ Shape loop_shape(int64_t cols, int vec) {
   return Shape{vec, 0, (int)std::min<int64_t>(kLoopThreads, std::max<int64_t>(128, round_up32(chunks / 4))), 1};
 }
 
+// Whether the register kernels take chunks of 1 or 2 values (access_vec's 4
+// bytes or one element): 1 (the default) or 0, the loop kernels one element a
+// load as before v27, for tuning. FUSEDOPS_NORM_SMALL_CHUNKS overrides it.
+int small_chunks() {
+  static const int n = env_int("FUSEDOPS_NORM_SMALL_CHUNKS", 0, 1, 1);
+  return n;
+}
+
+// The most chunks a thread of the register kernels holds: 8, and in the
+// backward 16 (kBwdMaxChunks) where a chunk is one element of 16-bit x (the
+// only chunks whose 16 fit its 16 values; 128 registers, no spill). Measured
+// (v28, H100, bf16, LayerNorm / RMSNorm, backward): one warp a row of 257
+// (team 64 at 8 chunks) +16.5 / +15 %, teams of 288 at 4097 wide (the loop
+// kernel at 8) +7 / +12 %. The forward's 16 chunks of one or two values (128
+// registers, 4-36 bytes spilled) lost 6-36 % at 257, 4097 and 16382 wide
+// (H200) and are not compiled. FUSEDOPS_NORM_BWD_CHUNKS=8 restores the backward's plans
+// before v28, for tuning.
+constexpr int kFwdMaxChunks = 8, kBwdMaxChunks = 16;
+int bwd_max_chunks() {
+  static const int n = env_int("FUSEDOPS_NORM_BWD_CHUNKS", 8, kBwdMaxChunks, kBwdMaxChunks) >= 16 ? 16 : 8;
+  return n;
+}
+
+// One warp a row, at twice the chunks a thread, in place of a team of two
+// warps (Shape c) where `max_values` allows; returns whether it changed c.
+bool to_one_warp(Shape &c, int max_values) {
+  if (c.nv == 0 || c.team != 64 || 2 * c.nv * c.vec > max_values) return false;
+  c.nv *= 2;
+  c.team = 32;
+  return true;
+}
+
 // The fewest chunks per thread (a power of two) that give at least `target`
-// values and a team within its thread cap, cap(values), up to `max_values`.
+// values and a team within its thread cap, cap(values), up to `max_values`;
+// the loop kernel's shape where none does, or where chunks would be of one
+// or two values and small_chunks() is off.
 template <class Cap>
 Shape choose(int64_t cols, int vec, int target, int max_values, Cap cap) {
+  if (vec < 4 && !small_chunks()) return loop_shape(cols, vec);
   Shape c{};
   c.vec = vec;
   const int64_t chunks = (cols + c.vec - 1) / c.vec;
@@ -1234,7 +1269,7 @@ template <class K>
 int active_clusters(K *kernel, int cl, int threads, size_t smem) {
   struct Entry { const void *k; int cl, threads; size_t smem; int n; };
   thread_local Entry cache[16];
-  thread_local int used = 0;
+  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
   for (int i = 0; i < used; ++i)
     if (cache[i].k == (const void *)kernel && cache[i].cl == cl && cache[i].threads == threads &&
         cache[i].smem == smem)
@@ -1246,7 +1281,8 @@ int active_clusters(K *kernel, int cl, int threads, size_t smem) {
     cudaGetLastError();
     n = 1;
   }
-  cache[used % 16] = {(const void *)kernel, cl, threads, smem, n};
+  cache[next] = {(const void *)kernel, cl, threads, smem, n};
+  next = (next + 1) % 16;
   used = used < 16 ? used + 1 : 16;
   return n;
 }
@@ -1262,7 +1298,7 @@ template <class K>
 void allow_smem(K *kernel, size_t smem, int device) {
   struct Entry { const void *k; int device; };
   thread_local Entry cache[32];
-  thread_local int used = 0;
+  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
   if (smem == 0) return;
   for (int i = 0; i < used; ++i)
     if (cache[i].k == (const void *)kernel && cache[i].device == device) return;
@@ -1271,7 +1307,8 @@ void allow_smem(K *kernel, size_t smem, int device) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            smem_optin(device) - (int)a.sharedSizeBytes) != cudaSuccess)
     return;  // the error stays for last_error(), after the launch
-  cache[used % 32] = {(const void *)kernel, device};
+  cache[next] = {(const void *)kernel, device};
+  next = (next + 1) % 32;
   used = used < 32 ? used + 1 : 32;
 }
 
@@ -1320,14 +1357,6 @@ int access_vec(const P *p, Ok ok) {
   return 1;
 }
 
-// Whether the register kernels take chunks of 1 or 2 values (access_vec's 4
-// bytes or one element): 1 (the default) or 0, the loop kernels one element a
-// load as before v27, for tuning. FUSEDOPS_NORM_SMALL_CHUNKS overrides it.
-int small_chunks() {
-  static const int n = env_int("FUSEDOPS_NORM_SMALL_CHUNKS", 0, 1, 1);
-  return n;
-}
-
 // Calls f(integral_constant<VEC>) for vec: a register kernel's (V, V / 2,
 // V / 4 of at least 2, or 1: access_vec's) or, with kLoop, a loop kernel's
 // (loop_vec's: V, 4 for 16-bit T, or 1).
@@ -1359,15 +1388,26 @@ void with_types(fo_dtype xt, fo_dtype st, fo_dtype wt, F &&f) {
   });
 }
 
-// Calls f(integral_constant<NV>) for the chunks-per-thread count nv, among
-// the counts whose arrays fit `budget` values.
-template <int VEC, int BUDGET, class F>
-void with_nv(int nv, F &&f) {
+// Calls f(integral_constant<NV>) for the chunks-per-thread count nv (a power
+// of two up to MAX_NV) among the counts whose arrays fit BUDGET values, and
+// returns whether it did: a plan past them has no kernel to run.
+template <int VEC, int BUDGET, int MAX_NV, class F>
+bool with_nv(int nv, F &&f) {
+  auto run = [&](auto n) {
+    constexpr int NV = decltype(n)::value;
+    if constexpr (NV <= MAX_NV && NV * VEC <= BUDGET) {
+      f(n);
+      return true;
+    }
+    return false;
+  };
   switch (nv) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (2 * VEC <= BUDGET) f(std::integral_constant<int, 2>{}); break;
-    case 4: if constexpr (4 * VEC <= BUDGET) f(std::integral_constant<int, 4>{}); break;
-    default: if constexpr (8 * VEC <= BUDGET) f(std::integral_constant<int, 8>{}); break;
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 16: return run(std::integral_constant<int, 16>{});
+    default: return false;
   }
 }
 
@@ -1375,11 +1415,35 @@ void with_nv(int nv, F &&f) {
 // one partial dweight/dbias row, so larger blocks write (and colsum reads)
 // fewer (at 16384x1024 the 256-thread blocks of the forward left 528 partial
 // rows, 4 MB each way against 134 MB of data). FUSEDOPS_NORM_BWD_BLOCK
-// overrides it, for tuning.
+// overrides it, for tuning; set, it also decides for resident_rows.
 constexpr int kBwdBlockTarget = 1024;
-int bwd_block_target() {
-  static const int n = env_int("FUSEDOPS_NORM_BWD_BLOCK", 32, 1024, kBwdBlockTarget);
+int bwd_block_env() {
+  static const int n = env_int("FUSEDOPS_NORM_BWD_BLOCK", 32, 1024, 0);
   return n;
+}
+int bwd_block_target() { return bwd_block_env() ? bwd_block_env() : kBwdBlockTarget; }
+
+// bwd_regs' rows (teams) a block for chunks of one or two values, of 1 to
+// c.rpb (the block target's share): the count whose blocks keep the most
+// warps resident an SM, the most rows where counts tie (fewer partial rows).
+// Those kernels take 41-128 registers, and the target's blocks of up to 1024
+// threads then fit once an SM: at 1025 wide three teams of 160 threads (83
+// registers) are 15 warps an SM, two are 20. Measured (v28, H100, bf16,
+// backward, LayerNorm / RMSNorm): 16384 x 1025 +20 / +21 % (two teams a
+// block), 65536 x 258 +16 / +15.5 % (11 warps of 82 registers a block).
+// `team_smem`: a team's dynamic shared memory.
+template <class K>
+int resident_rows(K *kernel, const Shape &c, size_t team_smem) {
+  if (bwd_block_env()) return c.rpb;
+  int best = c.rpb, most = 0;
+  for (int r = c.rpb; r >= 1; --r) {
+    const int warps = blocks_per_sm(kernel, c.team * r, team_smem * r) * c.team * r / 32;
+    if (warps > most) {
+      best = r;
+      most = warps;
+    }
+  }
+  return best;
 }
 
 // Whether the backward runs one warp a row, at twice the values a thread,
@@ -1389,10 +1453,27 @@ int bwd_block_target() {
 // (v22, H100, bf16, forward+backward against the switch off): 384 wide +2.9
 // / +4.9 % (RMS / LN), 264 +13 / +10.5 %, 260 +5 / +4 %, 512 and 768 (not
 // taken) level. The forward gained only where half the lanes idle (264: +3
-// to +10 %; 384: -0.5 %), so it keeps choose()'s team.
+// to +10 %; 384: -0.5 %): fwd_warp's rule.
 int bwd_warp() {
   static const int n = env_int("FUSEDOPS_NORM_BWD_WARP", 0, 1, 1);
   return n;
+}
+
+// Whether the forward runs one warp a row where choose() gave a team of two
+// warps (Shape c) about half of whose chunk slots are empty (at most 9 / 16
+// used: rows of 264 or 260 16-bit values), of 16-byte chunks, or of 8-byte
+// ones for LayerNorm, whose two reductions each cost the team of 64 a block
+// barrier (RMSNorm's one): rule 1 (the default), 0 never, 2 wherever the
+// warp holds the row, for tuning (FUSEDOPS_NORM_FWD_WARP overrides it).
+// Measured (v28, H100, bf16, forward against the team of 64, LayerNorm /
+// RMSNorm): 264 wide +9.8 / +2.9 %, 260 +8.3 / -1.9 %; chunks of 4 bytes
+// (258, one warp at 8 chunks) +1 / -7 % (H200). `size`: x's element bytes.
+bool fwd_warp(int64_t cols, const Shape &c, int size, bool rms) {
+  static const int n = env_int("FUSEDOPS_NORM_FWD_WARP", 0, 2, 1);
+  if (n == 0 || c.nv == 0 || c.team != 64) return false;
+  const int64_t chunks = (cols + c.vec - 1) / c.vec;
+  const int bytes = c.vec * size;
+  return n == 2 || ((bytes == 16 || (bytes == 8 && !rms)) && chunks * 16 <= (int64_t)9 * 64 * c.nv);
 }
 
 // Whether the backward of bf16 rows (x, s and weight) takes 16 values a thread
@@ -1602,21 +1683,17 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
 }
 
 // The backward's plan: the dx kernel, its grid and shared memory, and the
-// dweight/dbias partial rows (0 when none are wanted). `launch` false only
-// plans (for the workspace size); true also launches on `stream`.
+// dweight/dbias partial rows (0 when none are wanted; -1 where the plan names
+// a register kernel that is not compiled, a bug). `launch` false only plans
+// (for the workspace size); true also launches on `stream`.
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int v16 = 16 / fo_dtype_size(p->x_dtype), vec = access_vec(p, bwd_vec_ok);
   const bool full = vec == v16;  // 16-byte access: the pipes too
-  // with_nv's counts go to 8 chunks: 8 values a thread of one element, 16 of 2.
-  const int max_values = std::min(kBwdMaxValues * v16 / 8, 8 * vec);
+  const int max_values = std::min(kBwdMaxValues * v16 / 8, bwd_max_chunks() * vec);
   auto cap = [&](int values) { return bwd_max_threads(values, vec); };
   Shape c = choose(p->cols, vec, target_values(v16), max_values, cap);
   if (bwd_mid_bf16(p, c)) c = choose(p->cols, vec, 2 * v16, max_values, cap);
-  if (vec < 4 && !small_chunks()) c = loop_shape(p->cols, vec);
-  if (bwd_warp() && c.nv && c.team == 64 && p->cols < (int64_t)64 * c.nv * c.vec && 2 * c.nv * c.vec <= max_values) {
-    c.nv *= 2;
-    c.team = 32;
-  }
+  if (bwd_warp() && p->cols < (int64_t)64 * c.nv * c.vec) to_one_warp(c, max_values);
   if (c.nv)  // within the kernel's launch bound: 16 values a thread may take 128 registers
     c.rpb = std::max(1, std::min(kMaxTeams, std::min(bwd_block_target(), cap(c.nv * c.vec)) / c.team));
   // bwd_pipe where bwd_regs' team would be a whole multiprocessor, where no
@@ -1625,6 +1702,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
                                                                               : Shape{};
   const bool want = p->dweight || p->dbias;
   int64_t parts = 0;
+  bool planned = true;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
     using S = typename decltype(ts)::type;
@@ -1641,13 +1719,17 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     } else if (c.nv) {
       with_vec<T, false>(c.vec, [&](auto v) {
         constexpr int VEC = decltype(v)::value;
-        with_nv<VEC, kBwdMaxValues * V / 8>(c.nv, [&](auto nv) {
+        planned &= with_nv<VEC, kBwdMaxValues * V / 8, kBwdMaxChunks>(c.nv, [&](auto nv) {
           auto *k = bwd_regs<T, S, W, VEC, decltype(nv)::value>;
-          const size_t smem = want ? (size_t)c.rpb * 2 * sums_per_thread(c.nv * VEC) * c.team * sizeof(float) : 0;
-          allow_smem(k, smem, device);  // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
-          const int grid = persistent_grid(k, p->rows, c, smem, device);
+          const size_t team_smem = want ? (size_t)2 * sums_per_thread(c.nv * VEC) * c.team * sizeof(float) : 0;
+          // past 48 KB with the static `red` (two 384-thread teams: 48 KB dynamic)
+          allow_smem(k, c.rpb * team_smem, device);
+          Shape b = c;
+          if constexpr (VEC < 4) b.rpb = resident_rows(k, c, team_smem);
+          const size_t smem = b.rpb * team_smem;
+          const int grid = persistent_grid(k, p->rows, b, smem, device);
           parts = want ? grid : 0;
-          if (launch) k<<<grid, dim3(c.team, c.rpb), smem, stream>>>(*p);
+          if (launch) k<<<grid, dim3(b.team, b.rpb), smem, stream>>>(*p);
         });
       });
     } else {
@@ -1673,8 +1755,10 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
                                                    static_cast<W *>(p->dweight), static_cast<W *>(p->dbias));
     }
   });
-  return parts;
+  return planned ? parts : -1;
 }
+
+constexpr const char *kNoKernel = "fusedops: internal error: the norm plan names a kernel that is not compiled";
 
 }  // namespace
 
@@ -1690,8 +1774,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     });
     return last_error();
   }
-  // with_nv's counts go to 8 chunks: 8 values a thread of one element, 16 of 2.
-  const int target = target_values(16 * v16 / 8), max_values = std::min(kFwdMaxValues * v16 / 8, 8 * vec);
+  const int target = target_values(16 * v16 / 8), max_values = std::min(kFwdMaxValues * v16 / 8, kFwdMaxChunks * vec);
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
   // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
@@ -1708,8 +1791,9 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   // The loop kernel also where a team would take one-element chunks past 512
   // threads (odd rows of 4097-8192 values): at 4096 x 4097 bf16 it read 1331 /
   // 1636 GB/s (LN / RMS) against the 544-thread team's 1235 / 1385 (v27).
-  if (c.nv && ((p->rows + c.rpb - 1) / c.rpb > INT32_MAX || (vec < 4 && !small_chunks()) ||
-               (vec == 1 && c.team > kFwdNarrowTeam)))
+  if (fwd_warp(p->cols, c, fo_dtype_size(p->x_dtype), p->rms) && to_one_warp(c, max_values))
+    c.rpb = kBlockTarget / 32;
+  if (c.nv && ((p->rows + c.rpb - 1) / c.rpb > INT32_MAX || (vec == 1 && c.team > kFwdNarrowTeam)))
     c = loop_shape(p->cols, c.vec);
   // fwd_pipe where no register team holds the row (on sm_90, split over a
   // cluster), rather than the loop kernel. Where one does, fwd_regs is faster:
@@ -1717,6 +1801,7 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   // 0.42-0.87 below (docs/perf-notes.md).
   const Shape pc = c.nv == 0 ? pipe_shape(p->cols, vec, full, device) : Shape{};
   const bool park = p->rows > 0 && park_fwd(p, full);
+  bool planned = true;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
     using T = typename decltype(tt)::type;
     using S = typename decltype(ts)::type;
@@ -1740,23 +1825,25 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     } else {
       with_vec<T, false>(c.vec, [&](auto v) {
         constexpr int VEC = decltype(v)::value;
-        with_nv<VEC, kFwdMaxValues * V / 8>(c.nv, [&](auto nv) {
+        planned &= with_nv<VEC, kFwdMaxValues * V / 8, kFwdMaxChunks>(c.nv, [&](auto nv) {
           auto *k = fwd_regs<T, S, W, VEC, decltype(nv)::value>;
           k<<<(unsigned)((p->rows + c.rpb - 1) / c.rpb), dim3(c.team, c.rpb), 0, st>>>(*p);
         });
       });
     }
   });
-  return last_error();
+  return planned ? last_error() : kNoKernel;
 }
 
 extern "C" int64_t fo_norm_bwd_cuda_parts(const fo_norm_bwd_params *p, int device) {
-  return bwd_plan(p, device, false, nullptr);
+  return std::max<int64_t>(0, bwd_plan(p, device, false, nullptr));  // fo_norm_bwd_cuda reports a -1
 }
 
 extern "C" const char *fo_norm_bwd_cuda(const fo_norm_bwd_params *p, void *stream) {
   const int device = current_device();
-  if ((p->dweight || p->dbias) && p->parts != bwd_plan(p, device, false, nullptr))
+  const int64_t parts = bwd_plan(p, device, false, nullptr);
+  if (parts < 0) return kNoKernel;
+  if ((p->dweight || p->dbias) && p->parts != parts)
     return "fusedops: dweight/dbias workspace does not match the launch plan";
   bwd_plan(p, device, true, static_cast<cudaStream_t>(stream));
   return last_error();
