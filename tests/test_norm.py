@@ -312,7 +312,11 @@ def test_half_aligned_rows(device, c):
 # (4097, 6001: teams of 288 and 384), the backward one warp a row (262), the
 # loop kernels past them (8195 both ways; 10002, 16382 and 16386 both ways;
 # 4097 and 6001 forward); teams of one-element chunks two rows a block (1025,
-# 4095: resident_rows); s, weight or no residual in other dtypes.
+# 4095: resident_rows); s, weight or no residual in other dtypes. The
+# forward's contiguous rows up to 1536 values (1024 with fp32 s) run
+# fwd_group instead (norm_cuda.cu: groups of 8 rows, 4 of fp32; 5, 33 and 3
+# rows leave the last group part full, and a tail that is not a whole 16-byte
+# word); its other side is under test_chunk_plans_cuda.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
                      rms((7, 8190), torch.bfloat16), ln((9, 10002), torch.bfloat16, residual="none"),
@@ -422,14 +426,17 @@ def test_backward_plans_cuda(env):
 
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
-                                 "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2"])
+                                 "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2",
+                                 "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200"])
 def test_chunk_plans_cuda(env):
     """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
     one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
     and before resident_rows (BWD_BLOCK set: the block target decides), and
     the forward's one-warp rule off (FWD_WARP=0) and taken wherever a warp
-    holds the row (2: 384 and 258 among them), on the shape, 8-byte,
-    small-chunk and one-warp cases."""
+    holds the row (2: 384 and 258 among them), and fwd_group off (GROUP=0:
+    the register kernels at 4 bytes and one element) and taken also at 8
+    bytes a chunk, up to 200 KB a block (GROUP=2: 100, 260, 1004 and 4100
+    wide among them), on the shape, 8-byte, small-chunk and one-warp cases."""
     _tests_with_env(env, "(test_shapes or test_half_aligned or test_small_chunk or test_warp_backward) and cuda")
 
 

@@ -13,6 +13,11 @@
  *                        and a weight: fwd_regs' work with the width a constant,
  *                        one warp a row and a block, the weight loaded late
  *                        with evict_last; at 512 wide with the smallest L1.
+ *   fwd_group            contiguous rows that allow no 8-byte access (16-bit rows
+ *                        of 2 mod 4 values, odd widths), up to 1.5K values: a
+ *                        block takes a group of rows whose bytes are a 16-byte
+ *                        multiple, copied in and out of shared memory 16 bytes
+ *                        at a time; a warp a row in between.
  *   fwd_park             rows of 16K-32K 16-bit values: a block of at most 512
  *                        threads a row, half of each thread's chunks in registers
  *                        and half parked in shared memory (cp.async), so that
@@ -395,6 +400,95 @@ __global__ void __launch_bounds__(32 * RB) fwd_narrow(const fo_norm_fwd_params p
   }
 }
 
+// fwd_group: rows of a contiguous x (and residual) that no 8-byte access fits
+// (16-bit rows of 2 mod 4 values, odd widths: access_vec's 4 bytes or one
+// element a chunk), where the register kernels issue ~3.6x the instructions
+// of Inductor's kernel (ncu at 258 wide, docs/perf-notes.md v28). Whatever the
+// width, G = 16 / sizeof(T) rows of T (and of S) are a multiple of 16 bytes,
+// so a block takes a group of G rows as one run of 16-byte words: x and the
+// residual copied into shared memory by cp.async, a warp a row computing s
+// (over the residual) and y (over x) there, element by element, and s and y
+// copied out 16 bytes at a time. Only the last group's tail (fewer than G
+// rows) moves an element at a time.
+template <class E>
+__device__ __forceinline__ void group_in(E *dst, const E *src, int n) {
+  const int words = (int)(n * sizeof(E) / 16);
+  const uint4 *src4 = reinterpret_cast<const uint4 *>(src);
+  uint4 *dst4 = reinterpret_cast<uint4 *>(dst);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) cp_async16(dst4 + i, src4 + i, true);
+  for (int i = words * (int)(16 / sizeof(E)) + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+template <class E>
+__device__ __forceinline__ void group_out(E *dst, const E *src, int n) {
+  constexpr int U = 4;  // words a thread has in flight
+  const int words = (int)(n * sizeof(E) / 16);
+  const uint4 *src4 = reinterpret_cast<const uint4 *>(src);
+  uint4 *dst4 = reinterpret_cast<uint4 *>(dst);
+  for (int i = threadIdx.x; i < words; i += U * blockDim.x) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * (int)blockDim.x < words) v[u] = src4[i + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * (int)blockDim.x < words) store16(dst4 + i + u * blockDim.x, v[u]);
+  }
+  for (int i = words * (int)(16 / sizeof(E)) + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+template <class T, class S, class W>
+__global__ void __launch_bounds__(32 * (16 / sizeof(T))) fwd_group(const fo_norm_fwd_params p) {
+  constexpr int G = 16 / sizeof(T);
+  extern __shared__ uint4 grp[];  // [G * cols] T: x, then y; [G * cols] S: residual, then s
+  const int cols = (int)p.cols;
+  const int64_t row0 = (int64_t)blockIdx.x * G;
+  const int rows = (int)(p.rows - row0 < G ? p.rows - row0 : G), n = rows * cols;
+  T *xs = reinterpret_cast<T *>(grp);
+  S *ss = reinterpret_cast<S *>(grp + (int64_t)G * cols * sizeof(T) / 16);
+  group_in(xs, static_cast<const T *>(p.x) + row0 * cols, n);
+  if (p.residual) group_in(ss, static_cast<const S *>(p.residual) + row0 * cols, n);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < rows) {
+    T *xr = xs + warp * cols;
+    S *sr = ss + warp * cols;
+    // s = x + residual as stored: the statistics are those of the rounded stream.
+    float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
+    for (int c = lane; c < cols; c += 32) {
+      float v = to_f(xr[c]);
+      if (p.residual) v += to_f(sr[c]);
+      const S sv = from_f<S>(v);
+      sr[c] = sv;
+      const float f = to_f(sv);
+      sum[0] += p.rms ? f * f : f;
+    }
+    warp_sum(sum);
+    const float mean = p.rms ? 0.f : sum[0] / (float)cols;
+    float var = sum[0] / (float)cols;  // RMSNorm: the mean square
+    if (!p.rms) {  // LayerNorm: the squared deviations from the mean, a second reduction
+      float sq[1] = {0.f};
+      for (int c = lane; c < cols; c += 32) sq[0] += (to_f(sr[c]) - mean) * (to_f(sr[c]) - mean);
+      warp_sum(sq);
+      var = sq[0] / (float)cols;
+    }
+    const float rstd = rsqrtf(var + p.eps);
+    const W *w = static_cast<const W *>(p.weight), *b = static_cast<const W *>(p.bias);
+    for (int c = lane; c < cols; c += 32) {
+      float o = (to_f(sr[c]) - mean) * rstd;
+      if (w) o *= to_f(w[c]);
+      if (b) o += to_f(b[c]);
+      xr[c] = from_f<T>(o);
+    }
+    if (lane == 0) save_stats(p, row0 + warp, mean, rstd);
+  }
+  __syncthreads();
+  group_out(static_cast<T *>(p.y) + row0 * cols, xs, n);
+  if (p.s) group_out(static_cast<S *>(p.s) + row0 * cols, ss, n);
+}
+
 // Rows of 16K-32K 16-bit values (x and s of one dtype): a block of at most
 // 512 threads a row, 64 values a thread. Half of each thread's chunks are held
 // in registers as fwd_regs holds them; the other half are parked in shared
@@ -731,6 +825,12 @@ __device__ __forceinline__ void grad_terms(const Pack<T, VEC> &dyv, const Pack<S
 
 template <class T, class S, class W, int VEC, int NV>
 __global__ void __launch_bounds__(bwd_max_threads(NV * VEC, VEC)) bwd_regs(const fo_norm_bwd_params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (NV > 8) {  // not planned before sm_90 (bwd_max_chunks): there it spilled 8 bytes
+    __trap();
+    return;
+  }
+#endif
   __shared__ float red[kMaxTeams][2][64];
   // [blockDim.y][2][NV * VEC * team]: each team's dweight and dbias sums over
   // its rows. Shared memory rather than registers: two arrays fewer per
@@ -1197,10 +1297,12 @@ int small_chunks() {
 // registers, 4-36 bytes spilled) lost 6-36 % at 257, 4097 and 16382 wide
 // (H200) and are not compiled. FUSEDOPS_NORM_BWD_CHUNKS=8 restores the backward's plans
 // before v28, for tuning.
+// The 16-chunk kernels spill 8 bytes on sm_80 (unmeasured there): they are
+// compiled and planned from sm_90 on.
 constexpr int kFwdMaxChunks = 8, kBwdMaxChunks = 16;
-int bwd_max_chunks() {
+int bwd_max_chunks(int device) {
   static const int n = env_int("FUSEDOPS_NORM_BWD_CHUNKS", 8, kBwdMaxChunks, kBwdMaxChunks) >= 16 ? 16 : 8;
-  return n;
+  return compute_capability(device) >= 90 ? n : 8;
 }
 
 // One warp a row, at twice the chunks a thread, in place of a team of two
@@ -1590,6 +1692,26 @@ bool narrow_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
          with_narrow_cols(p->cols, [](auto) {}) && p->rows <= INT32_MAX;
 }
 
+// Whether fwd_group runs a call, and its bytes of shared memory a block:
+// rows that allow neither 16- nor 8-byte access (access_vec's `vec` of x's
+// `size`-byte elements: 4 bytes or one element a chunk) of a contiguous x and
+// residual, every array 16-byte aligned, a group of rows within 48 KB (1536
+// values of 16-bit x and s). FUSEDOPS_NORM_GROUP overrides it, for tuning: 0
+// never, 2 also at 8 bytes a chunk (rows of a multiple of 4 16-bit values).
+// FUSEDOPS_NORM_GROUP_KB sets the most shared memory a block may take (past
+// 48 KB, the opt-in).
+size_t group_fwd(const fo_norm_fwd_params *p, int vec) {
+  static const int mode = env_int("FUSEDOPS_NORM_GROUP", 0, 2, 1);
+  static const int kb = env_int("FUSEDOPS_NORM_GROUP_KB", 1, 227, 48);
+  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), g = 16 / xs;
+  const size_t smem = (size_t)g * p->cols * (xs + ss);
+  const bool ok = mode && vec * xs < (mode == 2 ? 16 : 8) && p->rows > 0 && p->x_stride == p->cols &&
+                  (!p->residual || p->res_stride == p->cols) && aligned16(p->x) && aligned16(p->residual) &&
+                  aligned16(p->y) && aligned16(p->s) && smem <= (size_t)kb * 1024 &&
+                  (p->rows + g - 1) / g <= INT32_MAX;
+  return ok ? smem : 0;
+}
+
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
 // (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
 // holds. FUSEDOPS_NORM_PARK overrides it, for tuning and for the tests.
@@ -1689,7 +1811,7 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
 int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStream_t stream) {
   const int v16 = 16 / fo_dtype_size(p->x_dtype), vec = access_vec(p, bwd_vec_ok);
   const bool full = vec == v16;  // 16-byte access: the pipes too
-  const int max_values = std::min(kBwdMaxValues * v16 / 8, bwd_max_chunks() * vec);
+  const int max_values = std::min(kBwdMaxValues * v16 / 8, bwd_max_chunks(device) * vec);
   auto cap = [&](int values) { return bwd_max_threads(values, vec); };
   Shape c = choose(p->cols, vec, target_values(v16), max_values, cap);
   if (bwd_mid_bf16(p, c)) c = choose(p->cols, vec, 2 * v16, max_values, cap);
@@ -1771,6 +1893,16 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
     with_type(p->x_dtype, [&](auto tt) {
       using T = typename decltype(tt)::type;
       if constexpr (sizeof(T) == 2) launch_narrow<T>(p, device, st);
+    });
+    return last_error();
+  }
+  if (const size_t smem = group_fwd(p, vec)) {
+    with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
+      using T = typename decltype(tt)::type;
+      auto *k = fwd_group<T, typename decltype(ts)::type, typename decltype(tw)::type>;
+      constexpr int G = 16 / sizeof(T);
+      allow_smem(k, smem > 48 * 1024 ? smem : 0, device);
+      k<<<(unsigned)((p->rows + G - 1) / G), 32 * G, smem, st>>>(*p);
     });
     return last_error();
   }
