@@ -316,7 +316,9 @@ def test_half_aligned_rows(device, c):
 # forward's contiguous rows up to 1536 values (1024 with fp32 s) run
 # fwd_group instead (norm_cuda.cu: groups of 8 rows, 4 of fp32; 5, 33 and 3
 # rows leave the last group part full, and a tail that is not a whole 16-byte
-# word); its other side is under test_chunk_plans_cuda.
+# word), and their backward up to 438-512 values bwd_group (62, 262, 263 and
+# the one-warp cases' 257-259); their other sides are under
+# test_chunk_plans_cuda.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
                      rms((7, 8190), torch.bfloat16), ln((9, 10002), torch.bfloat16, residual="none"),
@@ -427,7 +429,8 @@ def test_backward_plans_cuda(env):
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
                                  "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2",
-                                 "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200"])
+                                 "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200",
+                                 "FUSEDOPS_NORM_GROUP_BWD=0"])
 def test_chunk_plans_cuda(env):
     """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
     one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
@@ -436,7 +439,8 @@ def test_chunk_plans_cuda(env):
     holds the row (2: 384 and 258 among them), and fwd_group off (GROUP=0:
     the register kernels at 4 bytes and one element) and taken also at 8
     bytes a chunk, up to 200 KB a block (GROUP=2: 100, 260, 1004 and 4100
-    wide among them), on the shape, 8-byte, small-chunk and one-warp cases."""
+    wide among them), and bwd_group off (GROUP_BWD=0: 62, 257-263 on
+    bwd_regs), on the shape, 8-byte, small-chunk and one-warp cases."""
     _tests_with_env(env, "(test_shapes or test_half_aligned or test_small_chunk or test_warp_backward) and cuda")
 
 
@@ -454,12 +458,13 @@ def test_forward_plans_cuda(env):
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
 # bwd_regs (4096; 4100: 8-byte loads; 1030: 4-byte; 1025: one element),
+# fwd_group and bwd_group (257),
 # fwd_loop, bwd_loop and dwdb_cols (8195: one element a load; the backward of
 # 4099 too),
 # fwd_park under FUSEDOPS_NORM_PARK=2 (32768; test_forward_plans_cuda), the
 # cluster pipes (65536); colsum after every backward.
 BACK_TO_BACK = [(2048, 1024), (1024, 4096), (1024, 4100), (512, 4099), (1024, 1030), (1024, 1025),
-                (256, 8195), (96, 32768), (48, 65536)]
+                (1024, 257), (256, 8195), (96, 32768), (48, 65536)]
 
 
 @requires_cuda

@@ -32,6 +32,9 @@
  *                        occupancy calculator); the row stays in registers as
  *                        loaded, each team sums dweight/dbias over its rows in
  *                        shared memory, and each block writes one partial row.
+ *   bwd_group            fwd_group's rows for the backward, up to 438-512 values:
+ *                        persistent blocks over the groups, dweight / dbias
+ *                        summed a warp in shared memory.
  *   bwd_pipe             16-bit rows from 2304 values, and rows whose bwd_regs
  *                        team would pass 512 threads (from 4104 16-bit
  *                        values) or that no team holds: teams of at
@@ -960,6 +963,89 @@ __global__ void __launch_bounds__(bwd_max_threads(NV * VEC, VEC)) bwd_regs(const
   }
 }
 
+// bwd_group: fwd_group's groups for the backward (rows of a contiguous dy, s
+// and ds that allow no 8-byte access, up to 48 KB a group with its sums):
+// dy, s and ds copied in 16 bytes at a time, a warp a row computing dx over
+// s's copy, dx copied out the same way. Blocks are persistent over the
+// groups; each warp sums dweight / dbias over its rows in its own slice of
+// shared memory, and each block writes one partial row, its warps' sums
+// added in a fixed order.
+template <class T, class S, class W>
+__global__ void __launch_bounds__(32 * (16 / sizeof(T))) bwd_group(const fo_norm_bwd_params p) {
+  constexpr int G = 16 / sizeof(T);
+  // [G * cols] T: dy; [G * cols] S: s, then dx; [G * cols] S: ds (if any);
+  // [G][2][cols] float: each warp's dweight and dbias sums (if wanted)
+  extern __shared__ uint4 grp[];
+  const int cols = (int)p.cols;
+  const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
+  T *dys = reinterpret_cast<T *>(grp);
+  S *ss = reinterpret_cast<S *>(grp + (int64_t)G * cols * sizeof(T) / 16);
+  S *dss = ss + G * cols;
+  float *acc = reinterpret_cast<float *>(dss + (p.ds ? G * cols : 0));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float *aw = acc + warp * 2 * cols, *ab = aw + cols;
+  if (want_w || want_b)
+    for (int c = lane; c < cols; c += 32) aw[c] = ab[c] = 0.f;
+  const W *w = static_cast<const W *>(p.weight);
+  const int64_t groups = (p.rows + G - 1) / G;
+  for (int64_t grp_i = blockIdx.x; grp_i < groups; grp_i += gridDim.x) {
+    const int64_t row0 = grp_i * G;
+    const int rows = (int)(p.rows - row0 < G ? p.rows - row0 : G), n = rows * cols;
+    __syncthreads();  // the previous group's dx is out
+    group_in(dys, static_cast<const T *>(p.dy) + row0 * cols, n);
+    group_in(ss, static_cast<const S *>(p.s) + row0 * cols, n);
+    if (p.ds) group_in(dss, static_cast<const S *>(p.ds) + row0 * cols, n);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp < rows) {
+      const int64_t row = row0 + warp;
+      const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
+      const T *dyr = dys + warp * cols;
+      S *sr = ss + warp * cols;
+      const S *dsr = dss + warp * cols;
+      // g = dy * w, xhat = (s - mean) * rstd, as bwd_regs' grad_terms
+      auto terms = [&](int c, float &dy, float &xh, float &g) {
+        dy = to_f(dyr[c]);
+        xh = (to_f(sr[c]) - mean) * rstd;
+        g = w ? dy * to_f(w[c]) : dy;
+      };
+      float sums[2] = {0.f, 0.f};  // sum of g, sum of g * xhat
+      for (int c = lane; c < cols; c += 32) {
+        float dy, xh, g;
+        terms(c, dy, xh, g);
+        sums[0] += g;
+        sums[1] += g * xh;
+        if (want_w) aw[c] += dy * xh;
+        if (want_b) ab[c] += dy;
+      }
+      warp_sum(sums);
+      const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
+      const float mean_gx = sums[1] / (float)cols;
+      for (int c = lane; c < cols; c += 32) {
+        float dy, xh, g;
+        terms(c, dy, xh, g);
+        float o = rstd * (g - mean_g - xh * mean_gx);
+        if (p.ds) o += to_f(dsr[c]);
+        sr[c] = from_f<S>(o);  // dx over s: this lane alone reads or writes column c of the row
+      }
+    }
+    __syncthreads();
+    group_out(static_cast<S *>(p.dx) + row0 * cols, ss, n);
+  }
+  if (!want_w && !want_b) return;
+  __syncthreads();
+  for (int which = 0; which < 2; ++which) {
+    if (!(which == 0 ? want_w : want_b)) continue;
+    float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      float sum = 0.f;
+      for (int k = 0; k < G; ++k) sum += acc[(k * 2 + which) * cols + c];
+      out[c] = sum;
+    }
+  }
+}
+
 // bwd_regs' math on the pipe: s, dy and ds staged (bwd_regs issues a row's
 // loads after the previous row's dx; at 8192 wide its 1024-thread team fills
 // the multiprocessor, which then has no loads in flight while the team
@@ -1804,6 +1890,23 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
   with_narrow_cols(p->cols, run);  // narrow_fwd has checked that it is one
 }
 
+// Whether bwd_group runs a backward, and its bytes of shared memory a block:
+// group_fwd's rows (4 bytes or one element a chunk) of a contiguous dy, s and
+// ds, every array 16-byte aligned, a group with its warps' dweight / dbias
+// sums within 48 KB (rows of up to 438 16-bit values with ds and both sums,
+// 512 without ds).
+// FUSEDOPS_NORM_GROUP_BWD=0 turns it off, for tuning.
+size_t group_bwd(const fo_norm_bwd_params *p, int vec) {
+  static const int on = env_int("FUSEDOPS_NORM_GROUP_BWD", 0, 1, 1);
+  const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), g = 16 / xs;
+  const bool want = p->dweight || p->dbias;
+  const size_t smem = (size_t)g * p->cols * (xs + ss + (p->ds ? ss : 0)) + (want ? (size_t)g * 2 * p->cols * 4 : 0);
+  const bool ok = on && vec * xs < 8 && p->rows > 0 && p->dy_stride == p->cols && p->s_stride == p->cols &&
+                  (!p->ds || p->ds_stride == p->cols) && aligned16(p->dy) && aligned16(p->s) && aligned16(p->ds) &&
+                  aligned16(p->dx) && smem <= 48 * 1024;
+  return ok ? smem : 0;
+}
+
 // The backward's plan: the dx kernel, its grid and shared memory, and the
 // dweight/dbias partial rows (0 when none are wanted; -1 where the plan names
 // a register kernel that is not compiled, a bug). `launch` false only plans
@@ -1823,6 +1926,7 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const Shape pc = c.nv == 0 || c.team > kPipeThreads || bwd_pipe_mid(p, full) ? pipe_shape(p->cols, vec, full, device)
                                                                               : Shape{};
   const bool want = p->dweight || p->dbias;
+  const size_t group_smem = group_bwd(p, vec);
   int64_t parts = 0;
   bool planned = true;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -1831,10 +1935,17 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     using W = typename decltype(tw)::type;
     constexpr int V = 16 / sizeof(T);
     int stages = 0;
-    const size_t smem = pc.nv ? pipe_smem((size_t)kPipeChunks * V * pc.team * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0)),
-                                          device, &stages)
-                              : 0;
-    if (smem) {
+    const size_t stage = (size_t)kPipeChunks * V * pc.team * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0));
+    const size_t smem = pc.nv && !group_smem ? pipe_smem(stage, device, &stages) : 0;
+    if (group_smem) {
+      auto *k = bwd_group<T, S, W>;
+      constexpr int G = 16 / sizeof(T);
+      const int64_t groups = (p->rows + G - 1) / G;
+      const int grid = (int)std::max<int64_t>(
+          1, std::min<int64_t>(groups, (int64_t)sm_count(device) * blocks_per_sm(k, 32 * G, group_smem)));
+      parts = want ? grid : 0;
+      if (launch) k<<<grid, 32 * G, group_smem, stream>>>(*p);
+    } else if (smem) {
       const int64_t units = pipe_launch(bwd_pipe<T, S, W, V, true>, bwd_pipe<T, S, W, V, false>, pc, smem, stages,
                                         p->rows, device, launch, stream, *p);
       parts = want ? units : 0;
