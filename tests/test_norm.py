@@ -311,8 +311,8 @@ def test_half_aligned_rows(device, c):
 # the forward's 8 chunks of 2 (8190) and of 1 (4095), the backward's 16 of 1
 # (4097, 6001: teams of 288 and 384), the backward one warp a row (262), the
 # loop kernels past them (8195 both ways; 10002, 16382 and 16386 both ways;
-# 4097 and 6001 forward); teams of one-element chunks two rows a block (1025,
-# 4095: resident_rows); s, weight or no residual in other dtypes. The
+# 4097 and 6001 forward); teams of one-element chunks two rows a block (1025:
+# resident_rows); s, weight or no residual in other dtypes. The
 # forward's contiguous rows up to 1536 values (1024 with fp32 s) run
 # fwd_group instead (norm_cuda.cu: groups of 8 rows, 4 of fp32; 5, 33 and 3
 # rows leave the last group part full, and a tail that is not a whole 16-byte

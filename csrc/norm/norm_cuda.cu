@@ -1376,15 +1376,14 @@ int small_chunks() {
 
 // The most chunks a thread of the register kernels holds: 8, and in the
 // backward 16 (kBwdMaxChunks) where a chunk is one element of 16-bit x (the
-// only chunks whose 16 fit its 16 values; 128 registers, no spill). Measured
-// (v28, H100, bf16, LayerNorm / RMSNorm, backward): one warp a row of 257
-// (team 64 at 8 chunks) +16.5 / +15 %, teams of 288 at 4097 wide (the loop
-// kernel at 8) +7 / +12 %. The forward's 16 chunks of one or two values (128
-// registers, 4-36 bytes spilled) lost 6-36 % at 257, 4097 and 16382 wide
-// (H200) and are not compiled. FUSEDOPS_NORM_BWD_CHUNKS=8 restores the backward's plans
-// before v28, for tuning.
-// The 16-chunk kernels spill 8 bytes on sm_80 (unmeasured there): they are
-// compiled and planned from sm_90 on.
+// only chunks whose 16 fit its 16 values; 128 registers, no spill on sm_90;
+// on sm_80 they spilled 8 bytes, so they are planned and compiled from sm_90
+// on). Measured (v28, H100, bf16, LayerNorm / RMSNorm, backward): one warp a
+// row of 257 (team 64 at 8 chunks) +16.5 / +15 %, teams of 288 at 4097 wide
+// (the loop kernel at 8) +7 / +12 %. The forward's 16 chunks of one or two
+// values (128 registers, 4-36 bytes spilled) lost 6-36 % at 257, 4097 and
+// 16382 wide (H200) and are not compiled. FUSEDOPS_NORM_BWD_CHUNKS=8 restores
+// the backward's plans before v28, for tuning.
 constexpr int kFwdMaxChunks = 8, kBwdMaxChunks = 16;
 int bwd_max_chunks(int device) {
   static const int n = env_int("FUSEDOPS_NORM_BWD_CHUNKS", 8, kBwdMaxChunks, kBwdMaxChunks) >= 16 ? 16 : 8;
@@ -2031,11 +2030,11 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   if (c.nv == 0)
     c = choose(p->cols, vec, max_values, max_values,
                [&](int values) { return std::min(fwd_max_threads(values, bf16), fwd_team_cap()); });
+  if (fwd_warp(p->cols, c, fo_dtype_size(p->x_dtype), p->rms) && to_one_warp(c, max_values))
+    c.rpb = kBlockTarget / 32;
   // The loop kernel also where a team would take one-element chunks past 512
   // threads (odd rows of 4097-8192 values): at 4096 x 4097 bf16 it read 1331 /
   // 1636 GB/s (LN / RMS) against the 544-thread team's 1235 / 1385 (v27).
-  if (fwd_warp(p->cols, c, fo_dtype_size(p->x_dtype), p->rms) && to_one_warp(c, max_values))
-    c.rpb = kBlockTarget / 32;
   if (c.nv && ((p->rows + c.rpb - 1) / c.rpb > INT32_MAX || (vec == 1 && c.team > kFwdNarrowTeam)))
     c = loop_shape(p->cols, c.vec);
   // fwd_pipe where no register team holds the row (on sm_90, split over a
