@@ -445,15 +445,21 @@ def test_chunk_plans_cuda(env):
 
 
 @requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0", "FUSEDOPS_NORM_STATS_BLOCK=0"])
+@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0", "FUSEDOPS_NORM_STATS_BLOCK=0",
+                                 "FUSEDOPS_NORM_NARROW_BLOCK=1", "FUSEDOPS_NORM_NARROW_BLOCK=2"])
 def test_forward_plans_cuda(env):
     """fwd_park runs by default only where its rows fill its last wave of
     blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
     FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
     0 none (fwd_regs' 1024-thread teams and fwd_pipe run them). With
-    FUSEDOPS_NORM_STATS_BLOCK=0 training's narrow rows run a block a row."""
-    _tests_with_env(env, "test_wide_rows or without_stats_wide or (test_noncontiguous and 17000 and cuda) "
-                         "or test_back_to_back or (test_s_is_eager_sum and cuda) or test_narrow_rows")
+    FUSEDOPS_NORM_STATS_BLOCK=0 training's narrow rows run a block a row.
+    FUSEDOPS_NORM_NARROW_BLOCK sets the rows (one a warp) of a block of the
+    forward without statistics at 256 and 512 wide, whose default depends on
+    the GPU's memory bandwidth (1 on an H100, 2 on an H200): with 2, odd row
+    counts (1, 3, 5, 9, 13, 1001) leave the last block half full."""
+    _tests_with_env(env, "test_wide_rows or (test_forward_without_stats and cuda) or "
+                         "(test_noncontiguous and 17000 and cuda) or test_back_to_back or "
+                         "(test_s_is_eager_sum and cuda) or test_narrow_rows")
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
@@ -631,7 +637,10 @@ def test_raw_forward_outputs(device, c):
 # and fp16), the pipe (65536), one element a chunk (4099) and the loop (8195).
 NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), ln((30, 8195), torch.bfloat16),
                                rms((40, 4096), torch.float16, residual="fp32"),
-                               ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16)]  # fwd_narrow
+                               ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16),  # fwd_narrow
+                               # and its two-warp blocks (H200; FUSEDOPS_NORM_NARROW_BLOCK=2), the last one half full
+                               ln((33, 256), torch.bfloat16), rms((7, 512), torch.float16),
+                               ln((1, 512), torch.bfloat16, bias=False), rms((1001, 256), torch.bfloat16)]
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
                        ln((5, 65536), torch.bfloat16, residual="fp32")]
 

@@ -17,7 +17,9 @@ FUSEDOPS_NORM_BWD_WARP=0 or FUSEDOPS_NORM_BWD_BLOCK=N (threads a backward
 block aims for; set, it also turns off the one- and two-value chunks' rows a
 block for the most resident warps) or FUSEDOPS_NORM_GROUP=0|2 (fwd_group never,
 or also for 8-byte rows; FUSEDOPS_NORM_GROUP_KB its shared-memory cap) or
-FUSEDOPS_NORM_GROUP_BWD=0 (no bwd_group) to compare plans:
+FUSEDOPS_NORM_GROUP_BWD=0 (no bwd_group) or FUSEDOPS_NORM_NARROW_BLOCK=1|2 (the
+256- and 512-wide forward without statistics one or two rows a block; by
+default 2 on GPUs of more than 30 GB/s of memory bandwidth an SM) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 
@@ -89,7 +91,8 @@ def main():
                       ("FUSEDOPS_NORM_SMALL_CHUNKS", "small_chunks"), ("FUSEDOPS_NORM_BWD_CHUNKS", "bwd_chunks"),
                       ("FUSEDOPS_NORM_FWD_WARP", "fwd_warp"), ("FUSEDOPS_NORM_BWD_WARP", "bwd_warp"),
                       ("FUSEDOPS_NORM_BWD_BLOCK", "bwd_block"), ("FUSEDOPS_NORM_GROUP", "group"),
-                      ("FUSEDOPS_NORM_GROUP_KB", "group_kb"), ("FUSEDOPS_NORM_GROUP_BWD", "group_bwd")):
+                      ("FUSEDOPS_NORM_GROUP_KB", "group_kb"), ("FUSEDOPS_NORM_GROUP_BWD", "group_bwd"),
+                      ("FUSEDOPS_NORM_NARROW_BLOCK", "narrow_block")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

@@ -11,8 +11,9 @@
  *                        no loop.
  *   fwd_narrow           rows of 256, 512, 768 or 1024 16-bit values with a residual
  *                        and a weight: fwd_regs' work with the width a constant,
- *                        one warp a row and a block, the weight loaded late
- *                        with evict_last; at 512 wide with the smallest L1.
+ *                        one warp a row and a block (two at 256 and 512 wide on
+ *                        GPUs of an H200's bandwidth an SM), the weight loaded
+ *                        late with evict_last; at 512 wide with the smallest L1.
  *   fwd_group            contiguous rows that allow no 8-byte access (16-bit rows
  *                        of 2 mod 4 values, odd widths), up to 1.5K values: a
  *                        block takes a group of rows whose bytes are a 16-byte
@@ -377,7 +378,9 @@ __device__ __forceinline__ float2 narrow_row(const fo_norm_fwd_params &p, int64_
 // LayerNorm at 256 wide 2.1 % against the forward without statistics, whose
 // bytes are 0.8 %; RB 8 took back 1.7 % (docs/perf-notes.md, v21). Whether the
 // whole sectors or the blocks (up to 64 warps an SM at 256 wide, where blocks
-// of one warp stop at 32) did it was not separated.
+// of one warp stop at 32) did it was not separated. RB 2: the forward without
+// statistics at 256 and 512 wide on GPUs of more memory bandwidth an SM than
+// an H100's (narrow_block_rows); it stores no statistics, and p.rstd is null.
 template <class T, int COLS, bool RMS, bool BIAS, int RB>
 __global__ void __launch_bounds__(32 * RB) fwd_narrow(const fo_norm_fwd_params p) {
   if constexpr (RB == 1) {
@@ -1846,6 +1849,21 @@ int small_l1() {
   return n;
 }
 
+// Rows a block (one a warp) of the forward without statistics at 256 and 512
+// wide: 1, as Inductor runs these rows, or 2 on a GPU whose SMs have more
+// than 30 GB/s of memory bandwidth each. On an H200 (37 GB/s an SM) blocks of
+// one warp read 0.82 (256 wide) and 0.96-0.97 (512) of torch.compile's
+// forward, and blocks of two warps 0.99-1.00; four or eight warps, or two
+// rows a warp, did no better. On an H100 (25 GB/s an SM) blocks of two or four
+// warps cost 0.3-0.8 % there (docs/perf-notes.md, v31). No GPU between the
+// two was measured. FUSEDOPS_NORM_NARROW_BLOCK=1|2 overrides it, for tuning
+// and for the tests.
+int narrow_block_rows(int cols, int device) {
+  static const int forced = env_int("FUSEDOPS_NORM_NARROW_BLOCK", 1, 2, 0);
+  if (cols != 256 && cols != 512) return 1;
+  return forced ? forced : mem_gbps_per_sm(device) > 30 ? 2 : 1;
+}
+
 // Whether training's narrow forward runs eight rows a block (fwd_narrow's RB
 // 8, whole-sector statistics stores): 1 (the default) or 0, a block a row as
 // in inference, for tuning. FUSEDOPS_NORM_STATS_BLOCK overrides it.
@@ -1866,6 +1884,15 @@ void launch_narrow(const fo_norm_fwd_params *p, int device, cudaStream_t st) {
       if (p->rstd && (C == 256 || !p->rms) && stats_block()) {
         constexpr int RB = 8;  // (RMSNorm's kernel is named at 256 only: at 512 it is not run)
         auto *k = variant == 0 ? fwd_narrow<T, 256, true, false, RB>
+                  : variant == 1 ? fwd_narrow<T, C, false, true, RB> : fwd_narrow<T, C, false, false, RB>;
+        k<<<(unsigned)((p->rows + RB - 1) / RB), 32 * RB, 0, st>>>(*p);
+        return;
+      }
+    }
+    if constexpr (C == 256 || C == 512) {
+      if (!p->rstd && narrow_block_rows(C, device) == 2) {
+        constexpr int RB = 2;
+        auto *k = variant == 0 ? fwd_narrow<T, C, true, false, RB>
                   : variant == 1 ? fwd_narrow<T, C, false, true, RB> : fwd_narrow<T, C, false, false, RB>;
         k<<<(unsigned)((p->rows + RB - 1) / RB), 32 * RB, 0, st>>>(*p);
         return;
