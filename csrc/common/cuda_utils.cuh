@@ -468,7 +468,7 @@ inline int sm_count(int device) {
 
 // The memory bandwidth an SM has to itself, in GB/s, from the device's
 // memory clock and bus width (cached; 0 where the driver does not say): 25 on
-// an H100 SXM (3.35 TB/s over 132 SMs), 37 on an H200 (4.8 TB/s). Plans that
+// an H100 SXM (3.35 TB/s over 132 SMs), 36 on an H200 (4.8 TB/s). Plans that
 // differ between such GPUs key on it.
 inline int mem_gbps_per_sm(int device) {
   static int cache[64];

@@ -1851,9 +1851,9 @@ int small_l1() {
 
 // Rows a block (one a warp) of the forward without statistics at 256 and 512
 // wide: 1, as Inductor runs these rows, or 2 on a GPU whose SMs have more
-// than 30 GB/s of memory bandwidth each. On an H200 (37 GB/s an SM) blocks of
+// than 30 GB/s of memory bandwidth each. On an H200 (36 GB/s an SM) blocks of
 // one warp read 0.82 (256 wide) and 0.96-0.97 (512) of torch.compile's
-// forward, and blocks of two warps 0.99-1.00; four or eight warps, or two
+// forward, and blocks of two warps 0.99-1.01; four or eight warps, or two
 // rows a warp, did no better. On an H100 (25 GB/s an SM) blocks of two or four
 // warps cost 0.3-0.8 % there (docs/perf-notes.md, v31). No GPU between the
 // two was measured. FUSEDOPS_NORM_NARROW_BLOCK=1|2 overrides it, for tuning
