@@ -454,63 +454,45 @@ struct ClusterSum {
 };
 static_assert(sizeof(uint64_t) == 8, "mbarrier is 8 bytes");
 
-inline int sm_count(int device) {
+// Attribute A of `device` (cached per device), or `fallback` where the
+// device number is out of range, the driver fails or the value is below LO.
+// One int a device (0: not asked yet; -1: no value; else the value - LO + 1),
+// so that threads that race to fill it write the same word.
+template <cudaDeviceAttr A, int LO = 1>
+int device_attr(int device, int fallback) {
   static int cache[64];
-  if (device < 0 || device >= 64) return 132;
+  if (device < 0 || device >= 64) return fallback;
   if (!cache[device]) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
-      n = 132;
-    cache[device] = n;
+    int v = 0;
+    cache[device] = cudaDeviceGetAttribute(&v, A, device) == cudaSuccess && v >= LO ? v - LO + 1 : -1;
   }
-  return cache[device];
+  return cache[device] > 0 ? cache[device] + LO - 1 : fallback;
 }
 
+inline int sm_count(int device) { return device_attr<cudaDevAttrMultiProcessorCount>(device, 132); }
+
 // The memory bandwidth an SM has to itself, in GB/s, from the device's
-// memory clock and bus width (cached; 0 where the driver does not say): 25 on
-// an H100 SXM (3.35 TB/s over 132 SMs), 36 on an H200 (4.8 TB/s). Plans that
+// memory clock and bus width (0 where the driver does not say): 25 on an
+// H100 SXM (3.35 TB/s over 132 SMs), 36 on an H200 (4.8 TB/s). Plans that
 // differ between such GPUs key on it.
 inline int mem_gbps_per_sm(int device) {
-  static int cache[64];
-  if (device < 0 || device >= 64) return 0;
-  if (!cache[device]) {
-    int khz = 0, bits = 0;
-    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess || khz <= 0 || bits <= 0)
-      cache[device] = -1;
-    else  // double data rate: two transfers a clock
-      cache[device] = (int)(2.0 * khz * 1e3 * bits / 8 / 1e9 / sm_count(device) + 0.5);
-    if (!cache[device]) cache[device] = -1;
-  }
-  return cache[device] > 0 ? cache[device] : 0;
+  const int khz = device_attr<cudaDevAttrMemoryClockRate>(device, 0);
+  const int bits = device_attr<cudaDevAttrGlobalMemoryBusWidth>(device, 0);
+  return (int)(2.0 * khz * 1e3 * bits / 8 / 1e9 / sm_count(device) + 0.5);  // double data rate: two transfers a clock
 }
 
 // The most shared memory one block may opt in to (cached): 227 KB on an
 // H100, 163 KB on an A100.
 inline int smem_optin(int device) {
-  static int cache[64];
-  if (device < 0 || device >= 64) return 48 * 1024;
-  if (!cache[device]) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess || n <= 0)
-      n = 48 * 1024;
-    cache[device] = n;
-  }
-  return cache[device];
+  return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 48 * 1024);
 }
 
-// Compute capability of `device` as 10 * major + minor (cached).
+// Compute capability of `device` as 10 * major + minor (cached; 0 where the
+// driver does not say).
 inline int compute_capability(int device) {
-  static int cache[64];
-  if (device < 0 || device >= 64) return 0;
-  if (!cache[device]) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-      return 0;
-    cache[device] = 10 * major + minor;
-  }
-  return cache[device];
+  const int major = device_attr<cudaDevAttrComputeCapabilityMajor>(device, 0);
+  const int minor = device_attr<cudaDevAttrComputeCapabilityMinor, 0>(device, -1);  // 9.0's minor is 0
+  return major > 0 && minor >= 0 ? 10 * major + minor : 0;
 }
 
 inline int current_device() {
@@ -519,22 +501,48 @@ inline int current_device() {
   return d;
 }
 
+// A per-thread cache of the last N answers of a host query (an occupancy,
+// an attribute set): keys compared with ==, a miss taking the slot after the
+// last one taken, so that once full the oldest entry goes first. Zero-
+// initialised, so a thread_local one needs no guard.
+template <class Key, class Val, int N>
+struct RingCache {
+  struct Entry { Key key; Val val; };
+  Entry e[N]{};
+  int used = 0, next = 0;  // entries filled; the one the next miss takes
+  const Val *find(const Key &k) const {
+    for (int i = 0; i < used; ++i)
+      if (e[i].key == k) return &e[i].val;
+    return nullptr;
+  }
+  void put(const Key &k, const Val &v) {
+    e[next] = {k, v};
+    next = (next + 1) % N;
+    used = used < N ? used + 1 : N;
+  }
+};
+
+// A kernel with the launch settings a host query depends on: RingCache's key.
+struct LaunchKey {
+  const void *kernel;
+  int a, b;  // e.g. threads a block, cluster size, device
+  size_t smem;
+  bool operator==(const LaunchKey &o) const {
+    return kernel == o.kernel && a == o.a && b == o.b && smem == o.smem;
+  }
+};
+
 // Resident blocks per multiprocessor of `kernel` at this block size and
 // dynamic shared memory, from the occupancy calculator (cached per thread).
 template <class K>
 int blocks_per_sm(K *kernel, int threads, size_t smem) {
-  struct Entry { const void *k; int threads; size_t smem; int n; };
-  thread_local Entry cache[64];
-  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
-  for (int i = 0; i < used; ++i)
-    if (cache[i].k == (const void *)kernel && cache[i].threads == threads && cache[i].smem == smem)
-      return cache[i].n;
+  thread_local RingCache<LaunchKey, int, 64> cache;
+  const LaunchKey key{(const void *)kernel, threads, 0, smem};
+  if (const int *n = cache.find(key)) return *n;
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1)
     n = 1;
-  cache[next] = {(const void *)kernel, threads, smem, n};
-  next = (next + 1) % 64;
-  used = used < 64 ? used + 1 : 64;
+  cache.put(key, n);
   return n;
 }
 

@@ -55,7 +55,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <type_traits>
+#include <utility>
 
 #include "norm.h"
 #include "../common/cuda_utils.cuh"
@@ -1457,13 +1459,9 @@ void launch_clusters(K *kernel, int64_t blocks, int cl, int threads, size_t smem
 // Clusters of `cl` blocks of `kernel` resident at once (at least 1; cached).
 template <class K>
 int active_clusters(K *kernel, int cl, int threads, size_t smem) {
-  struct Entry { const void *k; int cl, threads; size_t smem; int n; };
-  thread_local Entry cache[16];
-  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
-  for (int i = 0; i < used; ++i)
-    if (cache[i].k == (const void *)kernel && cache[i].cl == cl && cache[i].threads == threads &&
-        cache[i].smem == smem)
-      return cache[i].n;
+  thread_local RingCache<LaunchKey, int, 16> cache;
+  const LaunchKey key{(const void *)kernel, cl, threads, smem};
+  if (const int *n = cache.find(key)) return *n;
   if (cl > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   ClusterLaunch l(cl, cl, threads, smem, nullptr);
   int n = 0;
@@ -1471,9 +1469,7 @@ int active_clusters(K *kernel, int cl, int threads, size_t smem) {
     cudaGetLastError();
     n = 1;
   }
-  cache[next] = {(const void *)kernel, cl, threads, smem, n};
-  next = (next + 1) % 16;
-  used = used < 16 ? used + 1 : 16;
+  cache.put(key, n);
   return n;
 }
 
@@ -1486,20 +1482,15 @@ int active_clusters(K *kernel, int cl, int threads, size_t smem) {
 // which then failed with "invalid argument".
 template <class K>
 void allow_smem(K *kernel, size_t smem, int device) {
-  struct Entry { const void *k; int device; };
-  thread_local Entry cache[32];
-  thread_local int used = 0, next = 0;  // entries filled; the one the next miss takes
-  if (smem == 0) return;
-  for (int i = 0; i < used; ++i)
-    if (cache[i].k == (const void *)kernel && cache[i].device == device) return;
+  thread_local RingCache<LaunchKey, bool, 32> cache;  // a kernel and device granted
+  const LaunchKey key{(const void *)kernel, device, 0, 0};
+  if (smem == 0 || cache.find(key)) return;
   cudaFuncAttributes a{};
   if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            smem_optin(device) - (int)a.sharedSizeBytes) != cudaSuccess)
     return;  // the error stays for last_error(), after the launch
-  cache[next] = {(const void *)kernel, device};
-  next = (next + 1) % 32;
-  used = used < 32 ? used + 1 : 32;
+  cache.put(key, true);
 }
 
 // Persistent grid: as many blocks as are resident at once, at most one per row group.
@@ -1625,6 +1616,10 @@ int bwd_block_target() { return bwd_block_env() ? bwd_block_env() : kBwdBlockTar
 template <class K>
 int resident_rows(K *kernel, const Shape &c, size_t team_smem) {
   if (bwd_block_env()) return c.rpb;
+  // Cached: bwd_plan runs three times a backward, and each asks here.
+  thread_local RingCache<LaunchKey, int, 32> cache;
+  const LaunchKey key{(const void *)kernel, c.team, c.rpb, team_smem};
+  if (const int *r = cache.find(key)) return *r;
   int best = c.rpb, most = 0;
   for (int r = c.rpb; r >= 1; --r) {
     const int warps = blocks_per_sm(kernel, c.team * r, team_smem * r) * c.team * r / 32;
@@ -1633,6 +1628,7 @@ int resident_rows(K *kernel, const Shape &c, size_t team_smem) {
       most = warps;
     }
   }
+  cache.put(key, best);
   return best;
 }
 
@@ -1780,6 +1776,15 @@ bool narrow_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
          with_narrow_cols(p->cols, [](auto) {}) && p->rows <= INT32_MAX;
 }
 
+// Whether every array's rows (pointer and row stride; a null array passes)
+// follow each other with no gap and start 16-byte aligned: the group kernels'
+// arrays, copied a group of rows at a time as one run of 16-byte words.
+bool whole_rows(int64_t cols, std::initializer_list<std::pair<const void *, int64_t>> arrays) {
+  for (const auto &a : arrays)
+    if (a.first && (a.second != cols || !aligned16(a.first))) return false;
+  return true;
+}
+
 // Whether fwd_group runs a call, and its bytes of shared memory a block:
 // rows that allow neither 16- nor 8-byte access (access_vec's `vec` of x's
 // `size`-byte elements: 4 bytes or one element a chunk) of a contiguous x and
@@ -1793,10 +1798,10 @@ size_t group_fwd(const fo_norm_fwd_params *p, int vec) {
   static const int kb = env_int("FUSEDOPS_NORM_GROUP_KB", 1, 227, 48);
   const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), g = 16 / xs;
   const size_t smem = (size_t)g * p->cols * (xs + ss);
-  const bool ok = mode && vec * xs < (mode == 2 ? 16 : 8) && p->rows > 0 && p->x_stride == p->cols &&
-                  (!p->residual || p->res_stride == p->cols) && aligned16(p->x) && aligned16(p->residual) &&
-                  aligned16(p->y) && aligned16(p->s) && smem <= (size_t)kb * 1024 &&
-                  (p->rows + g - 1) / g <= INT32_MAX;
+  const bool ok = mode && vec * xs < (mode == 2 ? 16 : 8) && p->rows > 0 && smem <= (size_t)kb * 1024 &&
+                  (p->rows + g - 1) / g <= INT32_MAX &&
+                  whole_rows(p->cols, {{p->x, p->x_stride}, {p->residual, p->res_stride}, {p->y, p->cols},
+                                       {p->s, p->cols}});
   return ok ? smem : 0;
 }
 
@@ -1927,9 +1932,9 @@ size_t group_bwd(const fo_norm_bwd_params *p, int vec) {
   const int xs = fo_dtype_size(p->x_dtype), ss = fo_dtype_size(p->s_dtype), g = 16 / xs;
   const bool want = p->dweight || p->dbias;
   const size_t smem = (size_t)g * p->cols * (xs + ss + (p->ds ? ss : 0)) + (want ? (size_t)g * 2 * p->cols * 4 : 0);
-  const bool ok = on && vec * xs < 8 && p->rows > 0 && p->dy_stride == p->cols && p->s_stride == p->cols &&
-                  (!p->ds || p->ds_stride == p->cols) && aligned16(p->dy) && aligned16(p->s) && aligned16(p->ds) &&
-                  aligned16(p->dx) && smem <= 48 * 1024;
+  const bool ok = on && vec * xs < 8 && p->rows > 0 && smem <= 48 * 1024 &&
+                  whole_rows(p->cols, {{p->dy, p->dy_stride}, {p->s, p->s_stride}, {p->ds, p->ds_stride},
+                                       {p->dx, p->cols}});
   return ok ? smem : 0;
 }
 
