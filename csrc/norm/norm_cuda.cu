@@ -1970,10 +1970,8 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     const size_t smem = pc.nv && !group_smem ? pipe_smem(stage, device, &stages) : 0;
     if (group_smem) {
       auto *k = bwd_group<T, S, W>;
-      constexpr int G = 16 / sizeof(T);
-      const int64_t groups = (p->rows + G - 1) / G;
-      const int grid = (int)std::max<int64_t>(
-          1, std::min<int64_t>(groups, (int64_t)sm_count(device) * blocks_per_sm(k, 32 * G, group_smem)));
+      constexpr int G = 16 / sizeof(T);  // a group: G rows, a warp each
+      const int grid = persistent_grid(k, p->rows, Shape{c.vec, 0, 32, G}, group_smem, device);
       parts = want ? grid : 0;
       if (launch) k<<<grid, 32 * G, group_smem, stream>>>(*p);
     } else if (smem) {
