@@ -318,7 +318,14 @@ def test_half_aligned_rows(device, c):
 # rows leave the last group part full, and a tail that is not a whole 16-byte
 # word), and their backward up to 438-512 values bwd_group (62, 262, 263 and
 # the one-warp cases' 257-259); their other sides are under
-# test_chunk_plans_cuda.
+# test_chunk_plans_cuda. The forward of such rows past 1536 values, and of
+# HALF_CASES' 8-byte rows, runs fwd_shift where the rows are contiguous
+# (norm_cuda.cu: each row's first values up to a 16-byte boundary, then
+# 16-byte chunks, then a tail): one, two and four chunks a thread (2050-4098,
+# 6001-8195, 10002-16386), heads of 1-7 values (the rows of 4095, 8195) and
+# of 2, 4, 6 (8190, 4098), no weight or bias (4097), an fp32 weight (2050,
+# 4095, 16382); with FUSEDOPS_NORM_SHIFT=0 (test_chunk_plans_cuda) the
+# register and loop kernels run them, and with 2 fwd_shift runs every width.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
                      rms((7, 8190), torch.bfloat16), ln((9, 10002), torch.bfloat16, residual="none"),
@@ -333,6 +340,38 @@ SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16)
 @pytest.mark.parametrize("c", SMALL_CHUNK_CASES, ids=ids(SMALL_CHUNK_CASES))
 def test_small_chunk_rows(device, c):
     check_twice(c, device)
+
+
+SHIFT_PARAM_CASES = [ln((6, 4098), torch.bfloat16), ln((5, 4095), torch.float16), rms((4, 4100), torch.bfloat16),
+                     ln((9, 2050), torch.bfloat16, residual="none")]
+
+
+@requires_cuda
+@pytest.mark.parametrize("offset", [1, 2])
+@pytest.mark.parametrize("c", SHIFT_PARAM_CASES, ids=ids(SHIFT_PARAM_CASES))
+def test_shifted_rows_cuda(c, offset):
+    """fwd_shift reads a chunk's weight and bias (misaligned with the row's
+    head) 4 bytes at a time where their addresses allow it, else an element
+    at a time: parameters that start `offset` values into their storage give
+    bitwise the forward of aligned ones (y only where fwd_shift runs: with
+    FUSEDOPS_NORM_SHIFT=0 such parameters take the rows to one element a
+    chunk, another order of sums), and every result passes the 2x rule."""
+    import os
+    shift = os.environ.get("FUSEDOPS_NORM_SHIFT", "1") != "0"
+    inp = make_inputs(c, "cuda")
+
+    def moved(t):
+        if t is None:
+            return None
+        wide = torch.full((t.shape[0] + offset,), NAN, dtype=t.dtype, device=t.device)
+        wide[offset:] = t
+        return wide[offset:]
+
+    got = forward_backward(c, {**inp, "weight": moved(inp["weight"]), "bias": moved(inp["bias"])}, poison=True)
+    want = forward_backward(c, inp)
+    for name in ("y", "s") if shift else ("s",):
+        assert torch.equal(bits(got[name]), bits(want[name])), f"{c}: {name} with parameters {offset} values in"
+    check_against_reference(c, inp, got)
 
 
 # Rows where a team would be two warps with lanes to spare run one warp a row
@@ -430,7 +469,7 @@ def test_backward_plans_cuda(env):
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
                                  "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2",
                                  "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200",
-                                 "FUSEDOPS_NORM_GROUP_BWD=0"])
+                                 "FUSEDOPS_NORM_GROUP_BWD=0", "FUSEDOPS_NORM_SHIFT=0", "FUSEDOPS_NORM_SHIFT=2"])
 def test_chunk_plans_cuda(env):
     """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
     one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
@@ -440,8 +479,13 @@ def test_chunk_plans_cuda(env):
     the register kernels at 4 bytes and one element) and taken also at 8
     bytes a chunk, up to 200 KB a block (GROUP=2: 100, 260, 1004 and 4100
     wide among them), and bwd_group off (GROUP_BWD=0: 62, 257-263 on
-    bwd_regs), on the shape, 8-byte, small-chunk and one-warp cases."""
-    _tests_with_env(env, "(test_shapes or test_half_aligned or test_small_chunk or test_warp_backward) and cuda")
+    bwd_regs), and fwd_shift off (SHIFT=0: the forward's rows of 4 mod 8
+    values and its rows past 1536 values of 2 mod 4 or odd widths on the
+    register and loop kernels) and taken at every width (SHIFT=2: 1 and 7
+    values all head or tail, 62-263 one warp a row, fwd_group's 1025 and
+    1030), on the shape, 8-byte, small-chunk, one-warp and shifted-row cases."""
+    _tests_with_env(env, "test_shifted_rows or ((test_shapes or test_half_aligned or test_small_chunk or "
+                         "test_warp_backward) and cuda)")
 
 
 @requires_cuda

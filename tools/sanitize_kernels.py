@@ -41,14 +41,18 @@ def norm_cases():
     with: two an SM), fwd_narrow (rows of 512, 768 and 1024 16-bit values, one row
     stride its own; eight rows of 256 or LayerNorm's 512 a block, the last
     block part full, statistics gathered in shared memory), dweight / dbias
-    partials and their column sums."""
+    partials and their column sums), fwd_shift (contiguous rows not 16-byte
+    aligned: a head and a tail around 16-byte chunks)."""
     ln, rms = test_norm.ln, test_norm.rms
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
     return [(rms((2 * sms, 32768), BF16), []),
             (ln((37, 1000), BF16, residual="fp32", param="fp32"), []),
             (ln((3, 5, 64), F32), []),
             (ln((37, 1001), F16), []),  # odd width: register kernels, one element a chunk
-            (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: 8-byte register kernels
+            (ln((37, 1004), BF16, param="fp32"), []),  # a multiple of 4: fwd_shift, 8-byte bwd_regs
+            (ln((7, 4098), BF16), []),  # fwd_shift: heads of 0, 6, 4, 2 values, a tail of 2-6
+            (rms((9, 4095), F16, param="fp32"), []),  # ... heads of 0-7 values, an fp32 weight
+            (ln((5, 10002), BF16, residual="none"), []),  # ... four chunks a thread
             (ln((37, 1002), BF16, residual="fp32"), []),  # 2 mod 4: 4-byte register kernels
             (rms((37, 202), F32), []),  # fp32, even: 8-byte register kernels
             (ln((5, 62), BF16), []),  # one 4-byte chunk a thread: the backward's sums padded

@@ -19,6 +19,12 @@
  *                        block takes a group of rows whose bytes are a 16-byte
  *                        multiple, copied in and out of shared memory 16 bytes
  *                        at a time; a warp a row in between.
+ *   fwd_shift            contiguous 16-bit rows that are not 16-byte aligned
+ *                        (widths not a multiple of 8 values), past fwd_group's
+ *                        rows and at 8 bytes a chunk, up to 16K values: a block a
+ *                        row, a head up to the row's first 16-byte boundary and a
+ *                        tail one value a thread, 16-byte chunks in registers
+ *                        between them.
  *   fwd_park             rows of 16K-32K 16-bit values: a block of at most 512
  *                        threads a row, half of each thread's chunks in registers
  *                        and half parked in shared memory (cp.async), so that
@@ -96,6 +102,8 @@ constexpr int kFwdNarrowTeam = 512;  // the forward's 8-value teams: at most thi
 // each with 16 values (two vectors of 16-bit types, four of fp32) in flight
 // per step.
 constexpr int kLoopThreads = 512;
+// fwd_shift: a team (block) of at most 512 threads a row, up to 4 chunks of 8 values a thread.
+constexpr int kShiftThreads = 512, kShiftChunks = 4;
 constexpr int loop_unroll(int vec) { return vec >= 4 ? 16 / vec : 4; }
 // bwd_regs' dweight (and dbias) sums a thread keeps for its `values` values:
 // whole float4s (values of 1- and 2-element chunks grouped four at a time).
@@ -495,6 +503,118 @@ __global__ void __launch_bounds__(32 * (16 / sizeof(T))) fwd_group(const fo_norm
   __syncthreads();
   group_out(static_cast<T *>(p.y) + row0 * cols, xs, n);
   if (p.s) group_out(static_cast<S *>(p.s) + row0 * cols, ss, n);
+}
+
+// fwd_shift: contiguous 16-bit rows that are not 16-byte aligned (widths not
+// a multiple of 8 values), past fwd_group's 1.5K values, and those of 8-byte
+// access (4 mod 8 values). Rows that follow each other with no gap in arrays
+// that start 16-byte aligned are misaligned by the same bytes in x, the
+// residual, s and y: each row's first h values (h < 8) up to its first 16-byte
+// boundary, then whole 16-byte chunks, then a tail of fewer than 8. A block
+// (the team) takes a row: its chunks in registers as fwd_regs holds them,
+// moved 16 bytes at a time, and the head and tail (at most 14 values) one a
+// thread. Where the register kernels read those rows 4 or 8 bytes at a time
+// (or one element), and Inductor 4 bytes. The weight and bias of a chunk are
+// then misaligned by h: read 4 bytes at a time (h even) or an element at a
+// time, from L1 after the first rows.
+template <class W>
+__device__ __forceinline__ void shifted_params(const W *w, int64_t c, float (&out)[8]) {
+  if constexpr (sizeof(W) == 2) {
+    if ((reinterpret_cast<uintptr_t>(w + c) & 3) == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const Pack<W, 2> pk = load_pack<2>(w + c + i);
+        out[i] = pack_value(pk, 0);
+        out[i + 1] = pack_value(pk, 1);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_f(w[c + i]);
+}
+
+template <class T, class W, int NV>
+__global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_params p) {
+  constexpr int VEC = 8;
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  __shared__ float red[2][32];
+  const int tid = threadIdx.x, team = blockDim.x;
+  const int64_t cols = p.cols, row = blockIdx.x, base = row * cols;
+  const int64_t h16 = (16 - base * (int64_t)sizeof(T) % 16) % 16 / (int64_t)sizeof(T);  // values to the boundary
+  const int h = (int)(h16 < cols ? h16 : cols);
+  const int64_t chunks = (cols - h) / VEC, tail = h + chunks * VEC;
+  // This thread's chunks; past the last one, cols (so that col(k) < cols is the guard).
+  auto col = [&](int k) {
+    const int64_t j = (int64_t)k * team + tid;
+    return j < chunks ? h + j * VEC : cols;
+  };
+  // The head's and tail's values, one a thread: column ec.
+  const bool edge = tid < cols - chunks * VEC;
+  const int64_t ec = tid < h ? tid : tail + (tid - h);
+  const T *x = static_cast<const T *>(p.x) + base;
+  const T *r = p.residual ? static_cast<const T *>(p.residual) + base : nullptr;
+  T *s = p.s ? static_cast<T *>(p.s) + base : nullptr;
+  Raw<T, VEC> xr[NV], rr[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+      xr[k] = load_raw<VEC>(x + col(k));
+      if (r) rr[k] = load_raw<VEC>(r + col(k));
+    }
+  }
+  float e = 0.f;  // the edge value of s, as stored
+  if (edge) {
+    float v = to_f(x[ec]);
+    if (r) v += to_f(r[ec]);
+    const T sv = from_f<T>(v);
+    if (s) s[ec] = sv;
+    e = to_f(sv);
+  }
+  // s = x + residual as stored: the statistics are those of the rounded stream.
+  Pack<T, VEC> sv[NV];
+  float sum[1] = {edge ? (p.rms ? e * e : e) : 0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+      sv[k] = add_chunk(xr[k], rr[k], r);
+      if (s) store_pack<VEC>(s + col(k), sv[k]);
+      add_terms<VEC>(sv[k], p.rms, sum[0]);
+    }
+  }
+  team_sum<true>(sum, team, red[0]);
+  const float mean = p.rms ? 0.f : sum[0] / (float)cols;
+  float var = sum[0] / (float)cols;  // RMSNorm: the mean square
+  if (!p.rms) {  // LayerNorm: the squared deviations from the mean, a second reduction
+    float sq[1] = {sq_dev<VEC>(sv, mean, cols, col) + (edge ? (e - mean) * (e - mean) : 0.f)};
+    team_sum<true>(sq, team, red[1]);
+    var = sq[0] / (float)cols;
+  }
+  const float rstd = rsqrtf(var + p.eps);
+  const W *w = static_cast<const W *>(p.weight), *b = static_cast<const W *>(p.bias);
+  T *y = static_cast<T *>(p.y) + base;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (col(k) < cols) {
+      float o[VEC], wv[VEC], bv[VEC];
+      if (w) shifted_params(w, col(k), wv);
+      if (b) shifted_params(b, col(k), bv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        o[i] = (pack_value(sv[k], i) - mean) * rstd;
+        if (w) o[i] *= wv[i];
+        if (b) o[i] += bv[i];
+      }
+      store_f<VEC>(y + col(k), o);
+    }
+  }
+  if (edge) {
+    float o = (e - mean) * rstd;
+    if (w) o *= to_f(w[ec]);
+    if (b) o += to_f(b[ec]);
+    y[ec] = from_f<T>(o);
+  }
+  if (tid == 0) save_stats(p, row, mean, rstd);
 }
 
 // Rows of 16K-32K 16-bit values (x and s of one dtype): a block of at most
@@ -1805,6 +1925,26 @@ size_t group_fwd(const fo_norm_fwd_params *p, int vec) {
   return ok ? smem : 0;
 }
 
+// Whether fwd_shift runs a call, and its chunks a thread (0: it does not):
+// 16-bit x and s of one dtype whose rows allow no 16-byte access, from 1537
+// values (fwd_group's rows below) or at 8 bytes a chunk (rows of 4 mod 8
+// values) up to 16K, contiguous rows of x, residual, y and s that start
+// 16-byte aligned (whole_rows). Chunks a thread: the fewest of 1, 2 and 4
+// that hold the row in teams of at most 512 threads. FUSEDOPS_NORM_SHIFT
+// overrides it, for tuning: 0 never, 2 at any width.
+int shift_fwd(const fo_norm_fwd_params *p, int vec) {
+  static const int mode = env_int("FUSEDOPS_NORM_SHIFT", 0, 2, 1);
+  const int xs = fo_dtype_size(p->x_dtype);
+  if (!mode || xs != 2 || p->s_dtype != p->x_dtype || vec * xs >= 16 || p->rows <= 0 || p->rows > INT32_MAX ||
+      (mode == 1 && vec * xs < 8 && p->cols <= 1536) ||
+      !whole_rows(p->cols, {{p->x, p->x_stride}, {p->residual, p->res_stride}, {p->y, p->cols}, {p->s, p->cols}}))
+    return 0;
+  const int64_t chunks = p->cols / 8;
+  for (int nv = 1; nv <= kShiftChunks; nv *= 2)
+    if ((chunks + nv - 1) / nv <= kShiftThreads) return nv;
+  return 0;
+}
+
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
 // (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
 // holds. FUSEDOPS_NORM_PARK overrides it, for tuning and for the tests.
@@ -2045,6 +2185,22 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       k<<<(unsigned)((p->rows + G - 1) / G), 32 * G, smem, st>>>(*p);
     });
     return last_error();
+  }
+  if (const int nv = shift_fwd(p, vec)) {
+    const int64_t chunks = p->cols / 8, team = std::max<int64_t>(32, ((chunks + nv - 1) / nv + 31) / 32 * 32);
+    bool done = false;
+    with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
+      using T = typename decltype(tt)::type;
+      using W = typename decltype(tw)::type;
+      if constexpr (sizeof(T) == 2 && std::is_same_v<typename decltype(ts)::type, T>) {
+        auto launch = [&](auto k) { k<<<(unsigned)p->rows, (unsigned)team, 0, st>>>(*p); };
+        if (nv == 1) launch(fwd_shift<T, W, 1>);
+        else if (nv == 2) launch(fwd_shift<T, W, 2>);
+        else launch(fwd_shift<T, W, 4>);
+        done = true;
+      }
+    });
+    return done ? last_error() : kNoKernel;
   }
   const int target = target_values(16 * v16 / 8), max_values = std::min(kFwdMaxValues * v16 / 8, kFwdMaxChunks * vec);
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
