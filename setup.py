@@ -16,7 +16,16 @@ import subprocess
 import sys
 import sysconfig
 
+import setuptools
 from setuptools import setup
+
+# pyproject.toml's license is an SPDX expression (PEP 639), which setuptools
+# reads from 77 on; an older one fails on it with a schema error that names
+# neither the version nor the fix. (--no-build-isolation builds with the
+# setuptools installed, whatever build-system.requires says.)
+if int(re.match(r"\d+", setuptools.__version__)[0]) < 77:
+    sys.exit(f"fusedops: building needs setuptools 77 or later, found {setuptools.__version__}: "
+             "pip install -U setuptools")
 
 
 def locate_cuda_home():
