@@ -321,10 +321,10 @@ def test_half_aligned_rows(device, c):
 # test_chunk_plans_cuda. The forward of such rows past 1536 values, and of
 # HALF_CASES' 8-byte rows, runs fwd_shift where the rows are contiguous
 # (norm_cuda.cu: each row's first values up to a 16-byte boundary, then
-# 16-byte chunks, then a tail): one, two and four chunks a thread (2050-4098,
-# 6001-8195, 10002-16386), heads of 1-7 values (the rows of 4095, 8195) and
-# of 2, 4, 6 (8190, 4098), no weight or bias (4097), an fp32 weight (2050,
-# 4095, 16382); with FUSEDOPS_NORM_SHIFT=0 (test_chunk_plans_cuda) the
+# 16-byte chunks, then a tail): one, two and four chunks a thread (2050-4097,
+# 8190-8195, 10002-16386), heads of 1, 2, 5, 6 and 7 values (the rows of
+# 4095, 4097, 8195) and of 2, 4, 6 (2050, 8190), no weight or bias (4097), an
+# fp32 weight (2050, 4095, 16382); with FUSEDOPS_NORM_SHIFT=0 (test_chunk_plans_cuda) the
 # register and loop kernels run them, and with 2 fwd_shift runs every width.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
