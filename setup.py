@@ -10,6 +10,7 @@ Switches (environment):
 """
 import glob
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -78,9 +79,18 @@ if WITH_CUDA:
 DEFINES = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET}"] + (["-DFUSEDOPS_WITH_CUDA", "-DUSE_CUDA"] if WITH_CUDA else [])
 
 
+# The CPU kernels are compiled once per x86-64 level (csrc/common/cpu_dtype.h):
+# FO_LEVEL, and the flags of that level's copy. Off x86-64, the baseline only.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    CPU_LEVELS = {0: [], 3: ["-march=x86-64-v3"], 4: ["-march=x86-64-v4", "-mprefer-vector-width=512"]}
+else:
+    CPU_LEVELS = {0: []}
+
+
 class BuildExt(cpp_extension.BuildExtension):
     """torch's BuildExtension compiles every non-CUDA file as C++; the C sources
-    are compiled here with the C compiler first and linked in as objects."""
+    are compiled here with the C compiler first, once per CPU level, and linked
+    in as objects."""
 
     def build_extension(self, ext):
         cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
@@ -89,18 +99,22 @@ class BuildExt(cpp_extension.BuildExtension):
         macros = [f"-DFUSEDOPS_CUDA_ARCHS={ARCHS}", f"-DFUSEDOPS_TORCH_TARGET={TORCH_TARGET}",
                   f"-DFUSEDOPS_BUILT_WITH_TORCH={torch.__version__}"]
         for src in c_sources:
-            obj = os.path.join(self.build_temp, "c", src.replace("/", "_") + ".o")
-            os.makedirs(os.path.dirname(obj), exist_ok=True)
-            # -fno-trapping-math: no kernel reads the FP exception flags, and
-            # without it GCC will not if-convert the clamps of a vectorised exp.
-            # -fno-math-errno: sqrtf may then vectorise (no kernel reads errno).
-            cmd = cc + ["-std=c11", "-O3", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Werror", "-Wno-psabi",
-                        "-I" + sysconfig.get_paths()["include"], *DEFINES,
-                        *[f'-D{m[2:].split("=")[0]}="{m.split("=", 1)[1]}"' for m in macros],
-                        "-c", src, "-o", obj]
-            print(" ".join(cmd), flush=True)
-            subprocess.check_call(cmd)
-            ext.extra_objects.append(obj)
+            # module.c is not a kernel: one copy
+            for level, flags in (CPU_LEVELS.items() if src.endswith("_cpu.c") else [(0, [])]):
+                obj = os.path.join(self.build_temp, "c", f"{src.replace('/', '_')}.v{level}.o")
+                os.makedirs(os.path.dirname(obj), exist_ok=True)
+                # -fno-trapping-math: no kernel reads the FP exception flags, and
+                # without it GCC will not if-convert the clamps of a vectorised exp.
+                # -fno-math-errno: sqrtf may then vectorise (no kernel reads errno).
+                cmd = cc + ["-std=c11", "-O3", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-fopenmp", "-Wall",
+                            "-Wextra", "-Werror", "-Wno-psabi", *flags, f"-DFO_LEVEL={level}",
+                            f"-DFO_X86_LEVELS={int(len(CPU_LEVELS) > 1)}",
+                            "-I" + sysconfig.get_paths()["include"], *DEFINES,
+                            *[f'-D{m[2:].split("=")[0]}="{m.split("=", 1)[1]}"' for m in macros],
+                            "-c", src, "-o", obj]
+                print(" ".join(cmd), flush=True)
+                subprocess.check_call(cmd)
+                ext.extra_objects.append(obj)
         super().build_extension(ext)
 
 

@@ -6,9 +6,9 @@
  * loop, so many small tensors cost one parallel region, not one each.
  *
  * fp32 parameters and states are updated in place by a loop the compiler
- * vectorises, compiled per x86-64 level (FO_ISA_DISPATCH). 16-bit tensors go
- * FO_VL (16) elements at a time: loaded and widened into registers, updated by
- * the same loop (16 lanes, one vector at v4), rounded and stored, the
+ * vectorises, compiled per x86-64 level (cpu_dtype.h). 16-bit tensors go
+ * FO_VL elements at a time: loaded and widened into a register, updated by
+ * the same loop (FO_VL lanes, one vector), rounded and stored, the
  * conversions inside the update (F16C for fp16 at v3 and v4), so that they
  * overlap its divisions and square roots; a master copy is updated in place
  * and the parameter receives it rounded. Measured (2 Zen 4 cores, 6.3 M
@@ -42,7 +42,7 @@ static inline void *elem(void *base, fo_dtype t, int64_t off) {
  * a master copy, p is the master (fp32, in place) and the param receives it
  * rounded. */
 FO_INLINE void update_block(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t b, int len,
-                            const int isa, const fo_dtype pt, const fo_dtype st) {
+                            const fo_dtype pt, const fo_dtype st) {
   float *master = a->masters ? a->masters[i] + b : NULL;
   void *p_at = elem(a->params[i], pt, b), *m_at = elem(a->exp_avgs[i], st, b);
   void *v_at = elem(a->exp_avg_sqs[i], st, b);
@@ -50,39 +50,38 @@ FO_INLINE void update_block(const fo_adam_params *a, const fo_adam_coef *c, int6
   /* the update reads and writes arrays (one scalar function, vectorised over
    * the block); the conversions take and give vectors */
   float p[FO_VL], g[FO_VL], m[FO_VL], v[FO_VL], x[FO_VL];
-  fo_vf t = master ? fo_vload_n(isa, FO_F32, master, len) : fo_vload_n(isa, pt, p_at, len);
+  fo_vf t = master ? fo_vload_n(FO_F32, master, len) : fo_vload_n(pt, p_at, len);
   memcpy(p, &t, sizeof t);
-  t = fo_vload_n(isa, pt, elem((void *)a->grads[i], pt, b), len);
+  t = fo_vload_n(pt, elem((void *)a->grads[i], pt, b), len);
   memcpy(g, &t, sizeof t);
-  t = fo_vload_n(isa, st, m_at, len);
+  t = fo_vload_n(st, m_at, len);
   memcpy(m, &t, sizeof t);
-  t = fo_vload_n(isa, st, v_at, len);
+  t = fo_vload_n(st, v_at, len);
   memcpy(v, &t, sizeof t);
   if (x_at) {
-    t = fo_vload_n(isa, st, x_at, len);
+    t = fo_vload_n(st, x_at, len);
     memcpy(x, &t, sizeof t);
   }
   update_f32(*c, FO_VL, p, g, m, v, x_at ? x : NULL);
-  if (master) fo_vstore_n(isa, FO_F32, master, *(fo_vf *)p, len);
-  fo_vstore_n(isa, pt, p_at, *(fo_vf *)p, len);
-  fo_vstore_n(isa, st, m_at, *(fo_vf *)m, len);
-  fo_vstore_n(isa, st, v_at, *(fo_vf *)v, len);
-  if (x_at) fo_vstore_n(isa, st, x_at, *(fo_vf *)x, len);
+  if (master) fo_vstore_n(FO_F32, master, *(fo_vf *)p, len);
+  fo_vstore_n(pt, p_at, *(fo_vf *)p, len);
+  fo_vstore_n(st, m_at, *(fo_vf *)m, len);
+  fo_vstore_n(st, v_at, *(fo_vf *)v, len);
+  if (x_at) fo_vstore_n(st, x_at, *(fo_vf *)x, len);
 }
 
 FO_INLINE void update_blocks(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n,
-                             const int isa, const fo_dtype pt, const fo_dtype st) {
+                             const fo_dtype pt, const fo_dtype st) {
   int64_t b = off;
-  for (; b + FO_VL <= off + n; b += FO_VL) update_block(a, c, i, b, FO_VL, isa, pt, st);
-  if (b < off + n) update_block(a, c, i, b, (int)(off + n - b), isa, pt, st);
+  for (; b + FO_VL <= off + n; b += FO_VL) update_block(a, c, i, b, FO_VL, pt, st);
+  if (b < off + n) update_block(a, c, i, b, (int)(off + n - b), pt, st);
 }
 
 /* Elements [off, off + n) of tensor i. fp32 is updated in place by one loop;
  * 16-bit data a block of FO_VL at a time, the conversions inside the update
  * (hardware fp16 conversions at x86-64-v3 and v4), one copy of the loop per
  * dtype pair. */
-FO_INLINE void update_span_at(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n,
-                              const int isa) {
+static void update_span(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n) {
   const fo_dtype pt = a->param_dtype, st = a->state_dtype;
   if (pt == FO_F32) { /* states are fp32 too (checked by the shim) */
     void *vmax = a->amsgrad ? a->max_exp_avg_sqs[i] : NULL;
@@ -90,17 +89,15 @@ FO_INLINE void update_span_at(const fo_adam_params *a, const fo_adam_coef *c, in
                (float *)a->exp_avgs[i] + off, (float *)a->exp_avg_sqs[i] + off,
                vmax ? (float *)vmax + off : NULL);
   } else if (pt == FO_BF16) {
-    if (st == FO_F32) update_blocks(a, c, i, off, n, isa, FO_BF16, FO_F32);
-    else update_blocks(a, c, i, off, n, isa, FO_BF16, FO_BF16);
+    if (st == FO_F32) update_blocks(a, c, i, off, n, FO_BF16, FO_F32);
+    else update_blocks(a, c, i, off, n, FO_BF16, FO_BF16);
   } else {
-    if (st == FO_F32) update_blocks(a, c, i, off, n, isa, FO_F16, FO_F32);
-    else update_blocks(a, c, i, off, n, isa, FO_F16, FO_F16);
+    if (st == FO_F32) update_blocks(a, c, i, off, n, FO_F16, FO_F32);
+    else update_blocks(a, c, i, off, n, FO_F16, FO_F16);
   }
 }
-FO_ISA_DISPATCH(update_span, (const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n),
-                (a, c, i, off, n))
 
-const char *fo_adam_cpu(const fo_adam_params *a) {
+const char *FO_FN(fo_adam_cpu)(const fo_adam_params *a) {
   if (a->found_inf && *a->found_inf != 0.0f) return NULL; /* skipped step: nothing moves */
   const int64_t nt = a->ntensors;
   const double lr = a->lr_ptr ? (double)*a->lr_ptr : a->lr;
@@ -134,3 +131,4 @@ const char *fo_adam_cpu(const fo_adam_params *a) {
   free(coef);
   return NULL;
 }
+FO_ENTRY(const char *, fo_adam_cpu, (const fo_adam_params *a), (a))

@@ -48,7 +48,7 @@ static inline const void *elem(const void *base, fo_dtype t, int64_t off) {
 }
 
 /* Eight floats as one value (GNU C vector extension): each op below is one
- * AVX instruction in the x86-64-v3 clone, two SSE ones in the baseline.
+ * AVX instruction in the x86-64-v3 and v4 copies, two SSE ones in the baseline.
  * aligned(4): loads and stores need no 32-byte alignment. */
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -234,7 +234,7 @@ typedef struct fwd_scratch {
 } fwd_scratch;
 
 /* One tile of BQ query rows of one (batch, head). */
-FO_CLONES static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
                                fwd_scratch *w) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, Dp = round_up(D, 16), hk = h / (p->Hq / p->Hkv);
@@ -291,7 +291,7 @@ static uint32_t *fwd_scratch_init(fwd_scratch *w, int64_t Dp) {
   return c.base;
 }
 
-#if FO_X86
+#if FO_LEVEL >= 4
 /* ------------------------------------------ forward, bf16 with AVX512-BF16
  * At level FO_ISA_V4_BF16, bf16 inputs with D a multiple of 32 take these
  * tiles: the two products run on vdpbf16ps (each fp32 lane adds the products
@@ -301,6 +301,9 @@ static uint32_t *fwd_scratch_init(fwd_scratch *w, int64_t Dp) {
  * kernels do. The scores are computed transposed (S^T = K Q^T), so that the
  * query tile, packed once, is the vector operand and the softmax runs across
  * 16 queries a vector. */
+
+/* The bf16 tiles' functions: the v4 copy's ISA plus AVX512-BF16. */
+#define FO_TARGET_V4_BF16 __attribute__((target("avx512bf16")))
 
 /* A pair of bf16 read at any 2-byte alignment (a row of an odd stride). */
 typedef uint32_t pair_u __attribute__((aligned(2), may_alias));
@@ -476,25 +479,24 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, 
 #endif
 
 /* Whether a call takes the bf16 tiles (the forward above, the backward below). */
+#if FO_LEVEL >= 4
 static int bf16_dot_tiles(const fo_attn_params *p) {
-#if FO_X86
   return p->dtype == FO_BF16 && p->D % 32 == 0 && fo_cpu_isa() >= FO_ISA_V4_BF16;
-#else
-  (void)p;
-  return 0;
-#endif
 }
+#endif
 
-const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
+const char *FO_FN(fo_attn_fwd_cpu)(const fo_attn_params *p) {
   const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
   const int64_t tasks = p->B * p->Hq * qtiles;
+#if FO_LEVEL >= 4
   const int bf16_dot = bf16_dot_tiles(p);
+#endif
   int missing = 0;
 #pragma omp parallel if (fo_parallel(tasks, p->B * p->Hq * p->Sq * p->Sk * p->D))
   {
-    fwd_scratch w;
-#if FO_X86
-    fwd_scratch_bf16 wb;
+    fwd_scratch w = {0};
+#if FO_LEVEL >= 4
+    fwd_scratch_bf16 wb = {0};
     uint32_t *block = bf16_dot ? fwd_scratch_bf16_init(&wb, p->D) : fwd_scratch_init(&w, Dp);
 #else
     uint32_t *block = fwd_scratch_init(&w, Dp);
@@ -504,7 +506,7 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t it = task % qtiles, bh = task / qtiles;
-#if FO_X86
+#if FO_LEVEL >= 4
         if (bf16_dot) {
           fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &wb);
           continue;
@@ -517,9 +519,11 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p) {
   }
   return missing ? FO_CPU_OOM : NULL;
 }
+FO_ENTRY(const char *, fo_attn_fwd_cpu, (const fo_attn_params *p), (p))
 
 /* ---------------------------------------------------------------- backward */
 
+#if FO_LEVEL == 0
 int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p) {
   const int64_t ktiles = (p->Sk + BK - 1) / BK, heads = p->B * p->Hkv;
   /* About two tasks per thread; deterministic: a fixed 16 in place of the
@@ -528,9 +532,10 @@ int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p) {
   const int64_t s = heads > 0 ? (want + heads - 1) / heads : 1;
   return s < 1 ? 1 : min64(s, ktiles > 0 ? ktiles : 1);
 }
+#endif
 
 /* delta[b, h, i] = sum_d dout * out: one fp32 per query row. */
-FO_CLONES static void bwd_delta(const fo_attn_params *p, int64_t row, float *delta, float *tmp) {
+static void bwd_delta(const fo_attn_params *p, int64_t row, float *delta, float *tmp) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
   float *x = tmp, *y = tmp + D;
@@ -611,7 +616,7 @@ FO_INLINE void store_dkdv(const fo_attn_params *p, int64_t b, int64_t hk, int64_
 
 /* The contribution of one query tile (rows i0.., head h) to the key tile in w
  * (keys j0.., nk of them): dk, dv in w; dq rows added into dq_part. */
-FO_CLONES static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
                                int64_t j0, int64_t nk, const float *delta, float *dq_part,
                                bwd_scratch *w) {
   const fo_dtype t = p->dtype;
@@ -631,7 +636,7 @@ FO_CLONES static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, in
 }
 
 /* One task: key tiles split, split + splits, ... of (batch b, kv head hk). */
-FO_CLONES static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
+static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
                                const float *delta, bwd_scratch *w) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, Dp = round_up(D, 16), G = p->Hq / p->Hkv;
@@ -652,7 +657,7 @@ FO_CLONES static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, i
   }
 }
 
-#if FO_X86
+#if FO_LEVEL >= 4
 /* ------------------------------------------ backward, bf16 with AVX512-BF16
  * Where the forward takes its bf16 tiles (bf16_dot_tiles), the backward's five
  * products run on vdpbf16ps too, each operand as bf16 pairs along the
@@ -754,7 +759,7 @@ FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, int64_t b, 
 #endif
 
 /* dq[row] = scale * (sum over splits of the partials, in split order). */
-FO_CLONES static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
+static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
   const int64_t part = p->B * p->Hq * p->Sq * D;
@@ -766,18 +771,20 @@ FO_CLONES static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *ac
   fo_store_row(t, (char *)p->dq + q_off(&p->dq_st, b, i, h) * fo_dtype_size(t), acc, D);
 }
 
-const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
+const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
   const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
+#if FO_LEVEL >= 4
   const int bf16_dot = bf16_dot_tiles(p);
+#endif
   int missing = 0;
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
 #pragma omp parallel if (fo_parallel(tasks, rows * p->Sk * D))
   {
-    bwd_scratch w;
-#if FO_X86
-    bwd_scratch_bf16 wb;
+    bwd_scratch w = {0};
+#if FO_LEVEL >= 4
+    bwd_scratch_bf16 wb = {0};
     uint32_t *block = bf16_dot ? bwd_scratch_bf16_init(&wb, D) : bwd_scratch_init(&w, Dp);
     float *tmp = bf16_dot ? wb.tmp : w.tmp;
 #else
@@ -791,7 +798,7 @@ const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t split = task % p->splits, bh = task / p->splits;
-#if FO_X86
+#if FO_LEVEL >= 4
         if (bf16_dot) {
           bwd_task_bf16(p, bh / p->Hkv, bh % p->Hkv, split, delta, &wb);
           continue;
@@ -806,3 +813,4 @@ const char *fo_attn_bwd_cpu(const fo_attn_params *p) {
   }
   return missing ? FO_CPU_OOM : NULL;
 }
+FO_ENTRY(const char *, fo_attn_bwd_cpu, (const fo_attn_params *p), (p))

@@ -1,17 +1,21 @@
 /* fp16 / bf16 <-> fp32 conversion for the C CPU kernels: one implementation,
- * used by every CPU op (norm, Adam, SwiGLU, attention), and the machinery that
- * compiles the kernels once per x86-64 level.
- *   - blocks: FO_VL = 16 values as a GNU C vector (fo_vload, fo_vstore and
- *     their _n forms for a row's last, partial block); kernels walk their
- *     rows a block at a time and convert inside the pass that reads or writes;
- *   - rows: fo_load_row_at / fo_store_row_at, built on the blocks.
+ * used by every CPU op (norm, Adam, SwiGLU, attention, ...), and the
+ * machinery that builds the kernels once per x86-64 level.
+ *   - levels: setup.py compiles every CPU source once per level, with
+ *     -DFO_LEVEL=N and the matching -march (below); each copy names its entry
+ *     points name_vN (FO_FN) and the baseline copy adds name(), which calls
+ *     the copy for the level the CPU supports (FO_ENTRY);
+ *   - blocks: FO_VL values, one vector register of the level, as a GNU C
+ *     vector (fo_vload, fo_vstore and their _n forms for a row's last,
+ *     partial block); kernels walk their rows a block at a time and convert
+ *     inside the pass that reads or writes;
+ *   - rows: fo_load_row / fo_store_row, built on the blocks.
  * All round to nearest even, keep a NaN a NaN (of its sign) and subnormals
  * exact; tests/test_dtype.py checks every 16-bit pattern, and ties,
  * subnormals, overflow, inf and NaN of fp32, against torch at every level.
- * They take the level the caller is compiled for (isa, a constant: see
- * FO_ISA_DISPATCH): fp16 goes through the F16C instructions at v3 and v4 and
- * through bit manipulation at the baseline; bf16 is a shift one way and an
- * integer rounding the other, written out with AVX-512 intrinsics at v4. */
+ * fp16 goes through the F16C instructions at v3 and v4 and through bit
+ * manipulation at the baseline; bf16 is a shift one way and an integer
+ * rounding the other, written out with intrinsics at v3 (AVX2) and v4 (AVX-512). */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -19,44 +23,28 @@
 
 #include "fo_types.h"
 
-/* Inlined into its caller whatever the heuristics say: a helper left out of
- * line is compiled once, for the baseline, not for the caller's level. */
-#define FO_INLINE static inline __attribute__((always_inline))
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FO_X86 1
-#include <immintrin.h>
-#else
-#define FO_X86 0
-#endif
-
-/* Hot loops are compiled once per x86-64 level (v4: AVX-512, v3: AVX2 + FMA
- * + F16C, and the baseline) and picked at run time: one binary, full-width
- * vectors on whatever CPU it runs on. Use feature levels, not arch= CPU names:
- * target_clones("arch=haswell") is a CPU-model test and picked the baseline
- * clone on an AMD EPYC.
- *
- * FO_CLONES: the same source for each level (GCC target_clones). Everything a
- * marked function calls must be FO_INLINE.
- *
- * FO_ISA_DISPATCH: for code that must know its level at compile time (the
- * fp16 hardware conversions: an F16C intrinsic does not compile into a
- * baseline clone). `name##_at(args..., isa)`, an FO_INLINE function, is
- * compiled into one function per level with isa a constant, and `name(args)`
- * calls the one fo_cpu_isa() picks. */
-/* FO_ISA_V4_BF16: v4 with AVX512-BF16's dot products (vdpbf16ps), which the
- * bf16 attention tiles use (attention_cpu.c); every other kernel runs its v4
- * code there. */
+/* Levels: v4 (AVX-512: -march=x86-64-v4), v3 (AVX2 + FMA + F16C:
+ * -march=x86-64-v3) and the baseline (x86-64, or whatever the machine is off
+ * x86-64). Use feature levels, not CPU names: a CPU-name test
+ * (arch=haswell) picked the baseline on an AMD EPYC. V4_BF16: v4 with
+ * AVX512-BF16's dot products (vdpbf16ps), which the bf16 attention tiles use
+ * (attention_cpu.c, in its v4 copy); every other kernel runs its v4 copy
+ * there. */
 enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5 };
 
-#if FO_X86
-#define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define FO_TARGET_V4 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
-#define FO_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
-#define FO_TARGET_V4_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16,prefer-vector-width=512")))
-#else
-#define FO_CLONES
+#ifndef FO_LEVEL
+#error "the CPU sources are compiled once per level with -DFO_LEVEL=0|3|4 (setup.py)"
 #endif
+/* FO_X86_LEVELS (setup.py, on x86-64): the v3 and v4 copies are built too. */
+#ifndef FO_X86_LEVELS
+#define FO_X86_LEVELS 0
+#endif
+#if FO_LEVEL >= 3
+#include <immintrin.h>
+#endif
+
+/* Inlined into its caller whatever the heuristics say. */
+#define FO_INLINE static inline __attribute__((always_inline))
 
 /* The level the kernels run at: the highest this CPU supports, lowered (never
  * raised) by FUSEDOPS_CPU_ISA=0|3|4|5 in the environment or by fo_cpu_set_isa.
@@ -64,21 +52,28 @@ enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5 };
 int fo_cpu_isa(void);
 int fo_cpu_set_isa(int cap);
 
-#define FO_ISA_ARGS(...) __VA_ARGS__
-#if FO_X86
-#define FO_ISA_DISPATCH(name, params, args)                                                  \
-  FO_TARGET_V4 static void name##_v4 params { name##_at(FO_ISA_ARGS args, FO_ISA_V4); }     \
-  FO_TARGET_V3 static void name##_v3 params { name##_at(FO_ISA_ARGS args, FO_ISA_V3); }     \
-  static void name##_v0 params { name##_at(FO_ISA_ARGS args, FO_ISA_BASE); }                \
-  __attribute__((unused)) static void name params {                                         \
-    const int isa_ = fo_cpu_isa();                                                          \
-    if (isa_ >= FO_ISA_V4) name##_v4 args;                                                  \
-    else if (isa_ >= FO_ISA_V3) name##_v3 args;                                             \
-    else name##_v0 args;                                                                    \
-  }
+/* FO_FN(name): this copy's name for an entry point, name_v0, name_v3 or
+ * name_v4. FO_PICK(level, name, args): the call of the copy for `level`.
+ * FO_ENTRY(ret, name, params, args), placed after the entry point's
+ * definition: in the baseline copy, name() itself, which calls the copy for
+ * fo_cpu_isa(); nothing in the others. */
+#define FO_CAT_(a, b) a##_v##b
+#define FO_CAT(a, b) FO_CAT_(a, b)
+#define FO_FN(name) FO_CAT(name, FO_LEVEL)
+#if FO_X86_LEVELS
+#define FO_DECLARE(ret, name, params) ret name##_v0 params; ret name##_v3 params; ret name##_v4 params;
+#define FO_PICK(level, name, args) \
+  ((level) >= FO_ISA_V4 ? name##_v4 args : (level) >= FO_ISA_V3 ? name##_v3 args : name##_v0 args)
 #else
-#define FO_ISA_DISPATCH(name, params, args) \
-  static void name params { name##_at(FO_ISA_ARGS args, FO_ISA_BASE); }
+#define FO_DECLARE(ret, name, params) ret name##_v0 params;
+#define FO_PICK(level, name, args) ((void)(level), name##_v0 args)
+#endif
+#if FO_LEVEL == 0
+#define FO_ENTRY(ret, name, params, args) \
+  FO_DECLARE(ret, name, params)           \
+  ret name params { return FO_PICK(fo_cpu_isa(), name, args); }
+#else
+#define FO_ENTRY(ret, name, params, args)
 #endif
 
 /* Whether a loop over `items` independent pieces holding `elems` values in all
@@ -94,29 +89,41 @@ static inline float fo_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return
 static inline uint32_t fo_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
 /* ---- blocks of FO_VL values -------------------------------------------------
- * Kernels walk their rows FO_VL values at a time as GNU C vectors: each
- * operation on an fo_vf is one AVX-512 instruction at v4, two AVX2 ones at v3,
- * four SSE2 ones at the baseline. (Loops over float[16] arrays were left to
- * the SLP vectoriser at first: it built some vectors lane by lane from scalar
- * loads, and stored a widened bf16 block as two 32-byte halves that the next
- * 64-byte load could not forward from.) aligned(4) / aligned(2): a vector may
- * sit at any element boundary. */
-enum { FO_VL = 16 };
+ * Kernels walk their rows FO_VL values at a time as GNU C vectors, one
+ * register of the level: 16 floats at v4, 8 at v3, 4 at the baseline. (A
+ * block wider than the level's registers has no register mode: GCC 12 kept
+ * 16-float blocks at v3 on the stack, and every loop-carried sum went through
+ * memory, docs/perf-notes.md CPU v4. Loops over float[16] arrays left to the
+ * SLP vectoriser built some vectors lane by lane, v12.) aligned(4) /
+ * aligned(2): a vector may sit at any element boundary. */
+enum { FO_VL = FO_LEVEL >= 4 ? 16 : FO_LEVEL == 3 ? 8 : 4 };
 typedef float fo_vf __attribute__((vector_size(4 * FO_VL), aligned(4)));
 typedef uint32_t fo_vu __attribute__((vector_size(4 * FO_VL), aligned(4)));
 typedef int32_t fo_vi __attribute__((vector_size(4 * FO_VL), aligned(4)));
 typedef uint16_t fo_vh __attribute__((vector_size(2 * FO_VL), aligned(2)));
+/* Blocks read and written in memory through these (any address, any array):
+ * a memcpy of a 32-byte block became two 16-byte moves through the stack at
+ * v3 (generic tuning splits 32-byte copies), and the 32-byte load after them
+ * could not forward from the two stores. */
+typedef float fo_vf_at __attribute__((vector_size(4 * FO_VL), aligned(4), may_alias));
+typedef uint16_t fo_vh_at __attribute__((vector_size(2 * FO_VL), aligned(2), may_alias));
 #if defined(__GNUC__) && !defined(__clang__)
 /* Vectors passed by value between FO_INLINE functions: the ABI it warns about
  * never applies. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-/* Lane masks (all ones where true) from shifts, not vector comparisons: GCC 12
- * splits a comparison of a vector wider than the level's registers into one
- * scalar compare a lane. Both take operands below 2^31. */
+/* Lane masks (all ones where true) from shifts; both take operands below
+ * 2^31. */
 FO_INLINE fo_vu fo_mask_gt(fo_vu a, uint32_t c) { return (fo_vu)((fo_vi)(c - a) >> 31); }
 FO_INLINE fo_vu fo_mask_lt(fo_vu a, uint32_t c) { return (fo_vu)((fo_vi)(a - c) >> 31); }
+
+/* All ones in the lanes below m (0 <= m <= FO_VL), zeros from m on. */
+FO_INLINE fo_vu fo_mask_first(int m) {
+  fo_vu lane;
+  for (int k = 0; k < FO_VL; ++k) lane[k] = (uint32_t)k;
+  return fo_mask_lt(lane, (uint32_t)m);
+}
 
 /* bf16 is the top half of an fp32. Narrowing rounds to nearest even by integer
  * addition; a NaN is kept (sign and top of the payload) and made quiet. */
@@ -161,175 +168,167 @@ FO_INLINE fo_vh fo_f16_narrow_soft(fo_vf f) {
   return __builtin_convertvector((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan), fo_vh);
 }
 
-#if FO_X86
-/* The F16C conversions (vcvtph2ps / vcvtps2ph), round to nearest even; a NaN
- * stays a quiet NaN of its sign (the payload's top bits kept, where the soft
- * path gives 0x7E00). Not FO_INLINE: inlined where the caller's level allows,
- * and left as a never-taken call in lower levels' code until dead-code
- * elimination removes it (an always_inline one would not compile there). */
-FO_TARGET_V4 static inline void fo_f16_widen_v4(const void *src, float *dst) {
-  _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src)));
+
+/* The hardware conversions of the level, round to nearest even, register to
+ * register: F16C (vcvtph2ps / vcvtps2ph) at v3 and v4, where a NaN stays a
+ * quiet NaN of its sign with the payload's top bits (the soft path gives
+ * 0x7E00); bf16 one vpmovzxwd and a shift one way, the other the rounding of
+ * fo_bf16_narrow with the NaN test one compare (into a mask register at v4)
+ * and the 16-bit lanes packed by vpmovdw (v4) or vpackusdw and vpermq (v3;
+ * GCC widens and packs the generic vectors in halves). */
+#define FO_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#if FO_LEVEL >= 4
+FO_INLINE fo_vf fo_f16_widen_hw(fo_vh h) { return (fo_vf)_mm512_cvtph_ps((__m256i)h); }
+FO_INLINE fo_vh fo_f16_narrow_hw(fo_vf v) { return (fo_vh)_mm512_cvtps_ph((__m512)v, FO_RN); }
+FO_INLINE fo_vf fo_bf16_widen_hw(fo_vh h) {
+  return (fo_vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
 }
-FO_TARGET_V4 static inline void fo_f16_narrow_v4(const float *src, void *dst) {
-  _mm256_storeu_si256((__m256i *)dst,
-                      _mm512_cvtps_ph(_mm512_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-/* bf16 at v4: one vpmovzxwd (GCC widens a 16-lane vector as two halves), and
- * the NaN test one compare into a mask register. Same rounding as
- * fo_bf16_narrow. */
-FO_TARGET_V4 static inline void fo_bf16_widen_v4(const void *src, float *dst) {
-  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
-}
-FO_TARGET_V4 static inline void fo_bf16_narrow_v4(const float *src, void *dst) {
-  const __m512 f = _mm512_loadu_ps(src);
+FO_INLINE fo_vh fo_bf16_narrow_hw(fo_vf v) {
+  const __m512 f = (__m512)v;
   const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
   const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  const __m512i h = _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(h));
+  return (fo_vh)_mm512_cvtepi32_epi16(_mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40)));
 }
-FO_TARGET_V3 static inline void fo_f16_widen_v3(const void *src, float *dst) {
-  const __m128i *s = (const __m128i *)src;
-  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(s)));
-  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm_loadu_si128(s + 1)));
+#elif FO_LEVEL == 3
+FO_INLINE fo_vf fo_f16_widen_hw(fo_vh h) { return (fo_vf)_mm256_cvtph_ps((__m128i)h); }
+FO_INLINE fo_vh fo_f16_narrow_hw(fo_vf v) { return (fo_vh)_mm256_cvtps_ph((__m256)v, FO_RN); }
+FO_INLINE fo_vf fo_bf16_widen_hw(fo_vh h) {
+  return (fo_vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
 }
-FO_TARGET_V3 static inline void fo_f16_narrow_v3(const float *src, void *dst) {
-  __m128i *d = (__m128i *)dst;
-  _mm_storeu_si128(d, _mm256_cvtps_ph(_mm256_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  _mm_storeu_si128(d + 1, _mm256_cvtps_ph(_mm256_loadu_ps(src + 8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+FO_INLINE fo_vh fo_bf16_narrow_hw(fo_vf v) {
+  const __m256 f = (__m256)v;
+  const __m256i u = _mm256_castps_si256(f), hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  const __m256i h = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_set1_epi32(0x40))), nan));
+  return (fo_vh)_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8));
 }
 #endif
 
-/* FO_VL values of dtype t at src, as fp32. isa: the caller's level (a
- * constant), which picks the fp16 conversion. */
-FO_INLINE fo_vf fo_vload(int isa, fo_dtype t, const void *src) {
-  (void)isa; /* unused off x86 */
-  fo_vf v;
-  if (t == FO_F32) {
-    memcpy(&v, src, sizeof v);
-#if FO_X86
-  } else if (t == FO_BF16 && isa >= FO_ISA_V4) {
-    fo_bf16_widen_v4(src, (float *)&v);
+/* A block of 16-bit values of dtype t (FO_BF16 or FO_F16), as fp32. */
+FO_INLINE fo_vf fo_widen(fo_dtype t, fo_vh h) {
+#if FO_LEVEL >= 3
+  return t == FO_BF16 ? fo_bf16_widen_hw(h) : fo_f16_widen_hw(h);
+#else
+  return t == FO_BF16 ? fo_bf16_widen(h) : fo_f16_widen_soft(h);
 #endif
-  } else if (t == FO_BF16) {
-    fo_vh h;
-    memcpy(&h, src, sizeof h);
-    v = fo_bf16_widen(h);
-#if FO_X86
-  } else if (isa >= FO_ISA_V4) {
-    fo_f16_widen_v4(src, (float *)&v);
-  } else if (isa >= FO_ISA_V3) {
-    fo_f16_widen_v3(src, (float *)&v);
+}
+
+/* v rounded to the 16-bit dtype t. */
+FO_INLINE fo_vh fo_narrow(fo_dtype t, fo_vf v) {
+#if FO_LEVEL >= 3
+  return t == FO_BF16 ? fo_bf16_narrow_hw(v) : fo_f16_narrow_hw(v);
+#else
+  return t == FO_BF16 ? fo_bf16_narrow(v) : fo_f16_narrow_soft(v);
 #endif
-  } else {
-    fo_vh h;
-    memcpy(&h, src, sizeof h);
-    v = fo_f16_widen_soft(h);
-  }
-  return v;
+}
+
+/* FO_VL values of dtype t at src, as fp32. */
+FO_INLINE fo_vf fo_vload(fo_dtype t, const void *src) {
+  if (t == FO_F32) return *(const fo_vf_at *)src;
+  return fo_widen(t, *(const fo_vh_at *)src);
 }
 
 /* v rounded to dtype t, stored at dst. */
-FO_INLINE void fo_vstore(int isa, fo_dtype t, void *dst, fo_vf v) {
-  (void)isa;
-  if (t == FO_F32) {
-    memcpy(dst, &v, sizeof v);
-#if FO_X86
-  } else if (t == FO_BF16 && isa >= FO_ISA_V4) {
-    fo_bf16_narrow_v4((const float *)&v, dst);
-#endif
-  } else if (t == FO_BF16) {
-    const fo_vh h = fo_bf16_narrow(v);
-    memcpy(dst, &h, sizeof h);
-#if FO_X86
-  } else if (isa >= FO_ISA_V4) {
-    fo_f16_narrow_v4((const float *)&v, dst);
-  } else if (isa >= FO_ISA_V3) {
-    fo_f16_narrow_v3((const float *)&v, dst);
-#endif
-  } else {
-    const fo_vh h = fo_f16_narrow_soft(v);
-    memcpy(dst, &h, sizeof h);
-  }
+FO_INLINE void fo_vstore(fo_dtype t, void *dst, fo_vf v) {
+  if (t == FO_F32) *(fo_vf_at *)dst = v;
+  else *(fo_vh_at *)dst = fo_narrow(t, v);
 }
 
 /* The first m <= FO_VL values; the lanes from m on are 0. */
-FO_INLINE fo_vf fo_vload_n(int isa, fo_dtype t, const void *src, int m) {
-  if (m == FO_VL) return fo_vload(isa, t, src);
+FO_INLINE fo_vf fo_vload_n(fo_dtype t, const void *src, int m) {
+  if (m == FO_VL) return fo_vload(t, src);
   fo_vf buf = {0}; /* room for FO_VL values of any dtype */
   memcpy(&buf, src, (size_t)m * (size_t)fo_dtype_size(t));
-  return fo_vload(isa, t, &buf);
+  return fo_vload(t, &buf);
 }
 
 /* The first m <= FO_VL lanes of v, rounded to dtype t. */
-FO_INLINE void fo_vstore_n(int isa, fo_dtype t, void *dst, fo_vf v, int m) {
+FO_INLINE void fo_vstore_n(fo_dtype t, void *dst, fo_vf v, int m) {
   if (m == FO_VL) {
-    fo_vstore(isa, t, dst, v);
+    fo_vstore(t, dst, v);
   } else {
     fo_vf buf;
-    fo_vstore(isa, t, &buf, v);
+    fo_vstore(t, &buf, v);
     memcpy(dst, &buf, (size_t)m * (size_t)fo_dtype_size(t));
   }
 }
 
 /* Stores the first m lanes of v rounded to dtype t and returns what was
  * stored, widened back: (float)(t)v. */
-FO_INLINE fo_vf fo_vstore_keep_n(int isa, fo_dtype t, void *dst, fo_vf v, int m) {
+FO_INLINE fo_vf fo_vstore_keep_n(fo_dtype t, void *dst, fo_vf v, int m) {
   if (t == FO_F32) {
-    fo_vstore_n(isa, t, dst, v, m);
+    fo_vstore_n(t, dst, v, m);
     return v;
   }
-  fo_vh h;
-  fo_vstore(isa, t, &h, v);
-  memcpy(dst, &h, (size_t)m * 2);
-  return fo_vload(isa, t, &h);
+  const fo_vh h = fo_narrow(t, v);
+  if (m == FO_VL) *(fo_vh_at *)dst = h;
+  else memcpy(dst, &h, (size_t)m * 2);
+  return fo_widen(t, h);
 }
 
 /* ---- rows ------------------------------------------------------------------ */
 /* out[j] = (float)in[j] for n elements of dtype t. */
-FO_INLINE void fo_load_row_at(int isa, fo_dtype t, const void *in, float *out, int64_t n) {
+FO_INLINE void fo_load_row(fo_dtype t, const void *in, float *out, int64_t n) {
   const char *src = (const char *)in;
   const int es = fo_dtype_size(t);
   int64_t j = 0;
   for (; j + FO_VL <= n; j += FO_VL) {
-    const fo_vf v = fo_vload(isa, t, src + j * es);
-    memcpy(out + j, &v, sizeof v);
+    *(fo_vf_at *)(out + j) = fo_vload(t, src + j * es);
   }
   if (j < n) {
-    const fo_vf v = fo_vload_n(isa, t, src + j * es, (int)(n - j));
+    const fo_vf v = fo_vload_n(t, src + j * es, (int)(n - j));
     memcpy(out + j, &v, (size_t)(n - j) * 4);
   }
 }
 
 /* out[j] = in[j] rounded to dtype t, for n elements. */
-FO_INLINE void fo_store_row_at(int isa, fo_dtype t, void *out, const float *in, int64_t n) {
+FO_INLINE void fo_store_row(fo_dtype t, void *out, const float *in, int64_t n) {
   char *dst = (char *)out;
   const int es = fo_dtype_size(t);
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) fo_vstore(isa, t, dst + j * es, *(const fo_vf *)(in + j));
+  for (; j + FO_VL <= n; j += FO_VL) fo_vstore(t, dst + j * es, *(const fo_vf_at *)(in + j));
   if (j < n) {
     fo_vf v = {0};
     memcpy(&v, in + j, (size_t)(n - j) * 4);
-    fo_vstore_n(isa, t, dst + j * es, v, (int)(n - j));
+    fo_vstore_n(t, dst + j * es, v, (int)(n - j));
   }
 }
 
 /* An fp32 view of n elements of dtype t: the data itself when it is fp32,
  * else widened into `scratch`. */
-FO_INLINE const float *fo_as_f32_at(int isa, fo_dtype t, const void *p, float *scratch, int64_t n) {
+FO_INLINE const float *fo_as_f32(fo_dtype t, const void *p, float *scratch, int64_t n) {
   if (t == FO_F32) return (const float *)p;
-  fo_load_row_at(isa, t, p, scratch, n);
+  fo_load_row(t, p, scratch, n);
   return scratch;
 }
 
-/* The same at the baseline level, for code outside a dispatched function. */
-FO_INLINE void fo_load_row(fo_dtype t, const void *in, float *out, int64_t n) {
-  fo_load_row_at(FO_ISA_BASE, t, in, out, n);
-}
-FO_INLINE void fo_store_row(fo_dtype t, void *out, const float *in, int64_t n) {
-  fo_store_row_at(FO_ISA_BASE, t, out, in, n);
+/* Row sums in 16 lanes at every level, so that a kernel's results are bitwise
+ * the same at each (tests/test_dtype.py): column c adds into lane c % 16.
+ * FO_NV registers hold the lanes; a loop over the row takes FO_STEP columns a
+ * step, register k the block at j + k * FO_VL of each, then the row's last
+ * blocks (fo_tail_len), register k again the k-th of them. */
+enum { FO_STEP = 16, FO_NV = FO_STEP / FO_VL };
+
+/* The width of the block at column j of a row of n columns (j < n). */
+static inline int fo_tail_len(int64_t n, int64_t j) { return n - j < FO_VL ? (int)(n - j) : FO_VL; }
+
+/* The sum of the 16 lanes, pairwise: lane k + 8 onto lane k, then k + 4, ...
+ * (fo_sum's order). */
+FO_INLINE float fo_sum_lanes(const fo_vf *acc) {
+  fo_vf r[FO_NV];
+  for (int k = 0; k < FO_NV; ++k) r[k] = acc[k];
+  for (int w = FO_NV / 2; w > 0; w >>= 1)
+    for (int k = 0; k < w; ++k) r[k] += r[k + w];
+  float l[FO_VL];
+  memcpy(l, &r[0], sizeof l);
+  for (int w = FO_VL / 2; w > 0; w >>= 1)
+    for (int k = 0; k < w; ++k) l[k] += l[k + w];
+  return l[0];
 }
 
 /* Sum of n floats with 16 independent fp32 accumulators (vectorisable, and
@@ -340,18 +339,6 @@ FO_INLINE float fo_sum(const float *restrict v, int64_t n) {
   for (; j + 16 <= n; j += 16)
     for (int k = 0; k < 16; ++k) acc[k] += v[j + k];
   for (; j < n; ++j) acc[j & 15] += v[j];
-  for (int w = 8; w > 0; w >>= 1)
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  return acc[0];
-}
-
-/* Sum of (v[j] - c)^2, same scheme: the squared deviations of a row. */
-FO_INLINE float fo_sqdev(const float *restrict v, float c, int64_t n) {
-  float acc[16] = {0};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += (v[j + k] - c) * (v[j + k] - c);
-  for (; j < n; ++j) acc[j & 15] += (v[j] - c) * (v[j] - c);
   for (int w = 8; w > 0; w >>= 1)
     for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
   return acc[0];

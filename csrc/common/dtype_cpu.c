@@ -1,10 +1,11 @@
-/* The x86-64 level the CPU kernels run at (cpu_dtype.h, FO_ISA_DISPATCH), and
+/* The x86-64 level the CPU kernels run at (cpu_dtype.h, FO_ENTRY), and
  * a test hook: the conversions of cpu_dtype.h at a chosen level, which
  * tests/test_dtype.py calls through ctypes and checks against torch's. */
 #include <stdlib.h>
 
 #include "cpu_dtype.h"
 
+#if FO_LEVEL == 0
 /* The highest level at most cap, of those up to hw. */
 static int capped(int cap, int hw) {
   if (cap >= hw) return hw;
@@ -13,7 +14,7 @@ static int capped(int cap, int hw) {
 
 static int detect(void) {
   int level = FO_ISA_BASE;
-#if FO_X86
+#if FO_X86_LEVELS && defined(__GNUC__) && !defined(__clang__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("x86-64-v4"))
     level = __builtin_cpu_supports("avx512bf16") ? FO_ISA_V4_BF16 : FO_ISA_V4;
@@ -45,24 +46,23 @@ int fo_cpu_set_isa(int cap) {
   return l;
 }
 
+#endif
+
 /* dst = src converted, n elements: 16-bit (fo_dtype 1 or 2) to fp32 when
  * widen, else fp32 to 16-bit; in blocks and a tail, as the kernels do. */
-FO_INLINE void convert_at(int t, int widen, const void *src, void *dst, int64_t n, const int isa) {
-  if (widen) fo_load_row_at(isa, (fo_dtype)t, src, (float *)dst, n);
-  else fo_store_row_at(isa, (fo_dtype)t, dst, (const float *)src, n);
+void FO_FN(convert)(int t, int widen, const void *src, void *dst, int64_t n) {
+  if (widen) fo_load_row((fo_dtype)t, src, (float *)dst, n);
+  else fo_store_row((fo_dtype)t, dst, (const float *)src, n);
 }
-FO_ISA_DISPATCH(convert, (int t, int widen, const void *src, void *dst, int64_t n), (t, widen, src, dst, n))
+
+#if FO_LEVEL == 0
+FO_DECLARE(void, convert, (int t, int widen, const void *src, void *dst, int64_t n))
 
 /* The same at level isa, which must not be above fo_cpu_isa(). Returns 0, or
  * -1 (nothing done) for a level or dtype out of range. */
 int fo_cpu_convert(int isa, int t, int widen, const void *src, void *dst, int64_t n) {
   if (isa > fo_cpu_isa() || (t != FO_F16 && t != FO_BF16)) return -1;
-#if FO_X86
-  if (isa >= FO_ISA_V4) convert_v4(t, widen, src, dst, n);
-  else if (isa >= FO_ISA_V3) convert_v3(t, widen, src, dst, n);
-  else convert_v0(t, widen, src, dst, n);
-#else
-  convert(t, widen, src, dst, n);
-#endif
+  FO_PICK(isa, convert, (t, widen, src, dst, n));
   return 0;
 }
+#endif

@@ -1,7 +1,8 @@
 /* Residual-add + LayerNorm / RMSNorm on the CPU: C11 + OpenMP, one row at a
- * time per thread, each row walked in blocks of FO_VL (16) values held in
- * registers, converted from and to 16-bit inside the pass that reads or
- * writes them (cpu_dtype.h; hardware fp16 conversions at x86-64-v3 and v4).
+ * time per thread, each row walked in blocks of FO_VL values (one register of
+ * the x86-64 level the copy is compiled for), converted from and to 16-bit
+ * inside the pass that reads or writes them (cpu_dtype.h; hardware fp16
+ * conversions at x86-64-v3 and v4).
  *
  * Forward: read x (and residual) once from memory, write s (when stored) and y
  * once; three passes over the row (two for RMSNorm): s, stored, with its sum
@@ -25,13 +26,13 @@ static inline const char *row_ptr(const void *base, fo_dtype t, int64_t row, int
   return (const char *)base + (size_t)(row * stride) * (size_t)fo_dtype_size(t);
 }
 
-static inline int64_t round_up16(int64_t n) { return (n + FO_VL - 1) / FO_VL * FO_VL; }
+static inline int64_t round_up_block(int64_t n) { return (n + FO_VL - 1) / FO_VL * FO_VL; }
 
 /* A [cols] weight or bias row in fp32, padded with zeros to a whole number of
  * blocks (the block loops read whole blocks); `fill` where there is none.
  * NULL when out of memory. */
 static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
-  float *out = calloc((size_t)round_up16(n) + 1, sizeof(float));
+  float *out = calloc((size_t)round_up_block(n) + 1, sizeof(float));
   if (!out) return NULL;
   if (t) fo_load_row(dt, t, out, n);
   else for (int64_t j = 0; j < n; ++j) out[j] = fill;
@@ -55,13 +56,13 @@ static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
  * s's dtype and stored; acc += s (LayerNorm) or s^2 (RMSNorm), lane k into
  * acc[k] (the order of fo_sum; the lanes past len are 0 and add nothing). */
 FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo_vf acc, int64_t j, int len,
-                            const int isa, const fo_dtype xt, const fo_dtype st) {
+                            const fo_dtype xt, const fo_dtype st) {
   const int ss = fo_dtype_size(st);
-  fo_vf v = fo_vload_n(isa, xt, x + j * fo_dtype_size(xt), len);
+  fo_vf v = fo_vload_n(xt, x + j * fo_dtype_size(xt), len);
   if (res) {
-    v = fo_vstore_keep_n(isa, st, s + j * ss, v + fo_vload_n(isa, st, res + j * ss, len), len);
+    v = fo_vstore_keep_n(st, s + j * ss, v + fo_vload_n(st, res + j * ss, len), len);
   } else if (s) { /* s is x, or x widened to fp32: exact either way */
-    fo_vstore_n(isa, st, s + j * ss, v, len);
+    fo_vstore_n(st, s + j * ss, v, len);
   }
   return acc + (rms ? v * v : v);
 }
@@ -76,19 +77,27 @@ typedef struct affine {
 /* Pass 3 for the block at column j: y = (s - mean) * rstd * w + b, s read back
  * from sr, of dtype t; w and b of dtype wt. */
 FO_INLINE void fwd_block_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t j, int len,
-                           const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+                           const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
   const int ws = fo_dtype_size(wt);
-  fo_vf v = (fo_vload_n(isa, t, sr + j * fo_dtype_size(t), len) - mean) * rstd;
-  if (a->w) v *= fo_vload_n(isa, wt, (const char *)a->w + j * ws, len);
-  if (a->b) v += fo_vload_n(isa, wt, (const char *)a->b + j * ws, len);
-  fo_vstore_n(isa, xt, y + j * fo_dtype_size(xt), v, len);
+  fo_vf v = (fo_vload_n(t, sr + j * fo_dtype_size(t), len) - mean) * rstd;
+  if (a->w) v *= fo_vload_n(wt, (const char *)a->w + j * ws, len);
+  if (a->b) v += fo_vload_n(wt, (const char *)a->b + j * ws, len);
+  fo_vstore_n(xt, y + j * fo_dtype_size(xt), v, len);
 }
 
 FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t n,
-                          const int isa, const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+                          const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, isa, t, xt, wt);
-  if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), isa, t, xt, wt);
+  for (; j + FO_VL <= n; j += FO_VL) fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, t, xt, wt);
+  if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), t, xt, wt);
+}
+
+/* Pass 2 (LayerNorm) for the block at column j: acc += (s - mean)^2, s read
+ * back from sr, of dtype t; the lanes past len would add mean^2: masked. */
+FO_INLINE fo_vf fwd_block_dev(const char *sr, float mean, fo_vf acc, int64_t j, int len, const fo_dtype t) {
+  fo_vf d = fo_vload_n(t, sr + j * fo_dtype_size(t), len) - mean;
+  if (len < FO_VL) d = (fo_vf)((fo_vu)d & fo_mask_first(len));
+  return acc + d * d;
 }
 
 /* Passes 2 (LayerNorm: the squared deviations from the mean) and 3 (y = (s -
@@ -97,38 +106,31 @@ FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rst
  * again costs a conversion; keeping s in fp32 scratch instead cost cache: at
  * 4096 columns the scratch, w and b (48 KB) no longer fit L1. */
 FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, float sum, const affine *a, char *y,
-                        const int isa, const fo_dtype t, const fo_dtype xt) {
+                        const fo_dtype t, const fo_dtype xt) {
   const int64_t n = p->cols;
-  const int es = fo_dtype_size(t);
   float mean = 0.0f, var = 0.0f;
   int64_t j;
   if (n && p->rms) {
     var = sum / (float)n;
   } else if (n) {
     mean = sum / (float)n;
-    fo_vf acc = {0};
-    for (j = 0; j + FO_VL <= n; j += FO_VL) {
-      const fo_vf d = fo_vload(isa, t, sr + j * es) - mean;
-      acc += d * d;
-    }
-    if (j < n) { /* the lanes past the row's end would add mean^2: masked */
-      const fo_vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      const fo_vf d = (fo_vf)((fo_vu)(fo_vload_n(isa, t, sr + j * es, (int)(n - j)) - mean) &
-                              fo_mask_lt(lane, (uint32_t)(n - j)));
-      acc += d * d;
-    }
-    var = fo_sum((const float *)&acc, FO_VL) / (float)n;
+    fo_vf acc[FO_NV] = {{0}};
+    for (j = 0; j + FO_STEP <= n; j += FO_STEP)
+      for (int k = 0; k < FO_NV; ++k) acc[k] = fwd_block_dev(sr, mean, acc[k], j + k * FO_VL, FO_VL, t);
+    for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
+      acc[k] = fwd_block_dev(sr, mean, acc[k], j, fo_tail_len(n, j), t);
+    var = fo_sum_lanes(acc) / (float)n;
   }
   const float rstd = 1.0f / sqrtf(var + p->eps);
-  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F32);
-  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_BF16);
-  else fwd_pass_y(sr, a, mean, rstd, y, n, isa, t, xt, FO_F16);
+  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F32);
+  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_BF16);
+  else fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F16);
   if (p->mean) p->mean[r] = mean;
   if (p->rstd) p->rstd[r] = rstd;
 }
 
 /* One row. */
-FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa, const fo_dtype xt,
+FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a, const fo_dtype xt,
                          const fo_dtype st) {
   const int64_t n = p->cols;
   const char *x = row_ptr(p->x, xt, r, p->x_stride);
@@ -136,19 +138,20 @@ FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a
   char *s = p->s ? (char *)p->s + (size_t)(r * n) * fo_dtype_size(st) : NULL;
   char *y = (char *)p->y + (size_t)(r * n) * fo_dtype_size(xt);
   const int rms = p->rms; /* a local: the stores through s could alias *p */
-  fo_vf acc = {0};
+  fo_vf acc[FO_NV] = {{0}}; /* the sum in 16 lanes (cpu_dtype.h) */
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) acc = fwd_block_s(rms, x, res, s, acc, j, FO_VL, isa, xt, st);
-  if (j < n) acc = fwd_block_s(rms, x, res, s, acc, j, (int)(n - j), isa, xt, st);
-  const float sum = fo_sum((const float *)&acc, FO_VL);
-  if (s) fwd_rest(p, r, s, sum, a, y, isa, st, xt);
-  else fwd_rest(p, r, x, sum, a, y, isa, xt, xt);
+  for (; j + FO_STEP <= n; j += FO_STEP)
+    for (int k = 0; k < FO_NV; ++k) acc[k] = fwd_block_s(rms, x, res, s, acc[k], j + k * FO_VL, FO_VL, xt, st);
+  for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
+    acc[k] = fwd_block_s(rms, x, res, s, acc[k], j, fo_tail_len(n, j), xt, st);
+  const float sum = fo_sum_lanes(acc);
+  if (s) fwd_rest(p, r, s, sum, a, y, st, xt);
+  else fwd_rest(p, r, x, sum, a, y, xt, xt);
 }
 
-FO_INLINE void fwd_row_at(const fo_norm_fwd_params *p, int64_t r, const affine *a, const int isa) {
-  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, fwd_row_t, p, r, a, isa);
+static void fwd_row(const fo_norm_fwd_params *p, int64_t r, const affine *a) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, fwd_row_t, p, r, a);
 }
-FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const affine *a), (p, r, a))
 
 /* Pass 3 reads w and b once a row. As fp32 copies they take 8 bytes a column
  * of L1 cache, and the row's x and y 4 more (16-bit): 48 KB at 4096 columns,
@@ -159,7 +162,7 @@ FO_ISA_DISPATCH(fwd_row, (const fo_norm_fwd_params *p, int64_t r, const affine *
  * the same; at 2048 that was 0-10% slower, at 1024 15%. */
 enum { NARROW_COLS = 3072 };
 
-const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
+const char *FO_FN(fo_norm_fwd_cpu)(const fo_norm_fwd_params *p) {
   const int64_t n = p->cols;
   float *w = NULL, *b = NULL;
   affine a = {p->weight, p->bias, p->w_dtype};
@@ -179,13 +182,17 @@ const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p) {
   free(w);
   return NULL;
 }
+FO_ENTRY(const char *, fo_norm_fwd_cpu, (const fo_norm_fwd_params *p), (p))
+
 
 /* ---- backward -------------------------------------------------------------- */
 
+#if FO_LEVEL == 0
 int64_t fo_norm_bwd_cpu_parts(const fo_norm_bwd_params *p) {
   (void)p;
   return omp_get_max_threads();
 }
+#endif
 
 /* The backward's per-row inputs. */
 typedef struct bwd_row_in {
@@ -196,9 +203,9 @@ typedef struct bwd_row_in {
 /* dy, xh = (s - mean) * rstd and g = dy * w for the block at column j (the
  * lanes past len: 0, something finite, 0). */
 FO_INLINE void bwd_load(const bwd_row_in *in, const float *w, int64_t j, int len, fo_vf *dy, fo_vf *xh, fo_vf *g,
-                        const int isa, const fo_dtype xt, const fo_dtype st) {
-  *dy = fo_vload_n(isa, xt, in->dy + j * fo_dtype_size(xt), len);
-  *xh = (fo_vload_n(isa, st, in->s + j * fo_dtype_size(st), len) - in->mean) * in->rstd;
+                        const fo_dtype xt, const fo_dtype st) {
+  *dy = fo_vload_n(xt, in->dy + j * fo_dtype_size(xt), len);
+  *xh = (fo_vload_n(st, in->s + j * fo_dtype_size(st), len) - in->mean) * in->rstd;
   *g = *dy * *(const fo_vf *)(w + j);
 }
 
@@ -206,9 +213,9 @@ FO_INLINE void bwd_load(const bwd_row_in *in, const float *w, int64_t j, int len
  * dbias partial rows pw += dy * xhat, pb += dy (NULL when not wanted; rows of
  * cols floats, written only below len). */
 FO_INLINE void bwd_block_sums(const bwd_row_in *in, const float *w, float *pw, float *pb, fo_vf *ag, fo_vf *agx,
-                              int64_t j, int len, const int isa, const fo_dtype xt, const fo_dtype st) {
+                              int64_t j, int len, const fo_dtype xt, const fo_dtype st) {
   fo_vf dy, xh, g;
-  bwd_load(in, w, j, len, &dy, &xh, &g, isa, xt, st);
+  bwd_load(in, w, j, len, &dy, &xh, &g, xt, st);
   *ag += g;
   *agx += g * xh;
   if (len == FO_VL) {
@@ -225,41 +232,40 @@ FO_INLINE void bwd_block_sums(const bwd_row_in *in, const float *w, float *pw, f
 
 /* Pass 2: dx = rstd * (g - mean_g - xhat * mean_gx) + ds. */
 FO_INLINE void bwd_block_dx(const bwd_row_in *in, const float *w, float mean_g, float mean_gx, char *dx,
-                            int64_t j, int len, const int isa, const fo_dtype xt, const fo_dtype st) {
+                            int64_t j, int len, const fo_dtype xt, const fo_dtype st) {
   const int ss = fo_dtype_size(st);
   fo_vf dy, xh, g;
-  bwd_load(in, w, j, len, &dy, &xh, &g, isa, xt, st);
+  bwd_load(in, w, j, len, &dy, &xh, &g, xt, st);
   fo_vf v = in->rstd * (g - mean_g - xh * mean_gx);
-  if (in->ds) v += fo_vload_n(isa, st, in->ds + j * ss, len);
-  fo_vstore_n(isa, st, dx + j * ss, v, len);
+  if (in->ds) v += fo_vload_n(st, in->ds + j * ss, len);
+  fo_vstore_n(st, dx + j * ss, v, len);
 }
 
 /* One row of the backward; pw, pb: this thread's partial rows, or NULL. */
 FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
-                         const int isa, const fo_dtype xt, const fo_dtype st) {
+                         const fo_dtype xt, const fo_dtype st) {
   const int64_t n = p->cols;
   const bwd_row_in in = {row_ptr(p->s, st, r, p->s_stride), row_ptr(p->dy, xt, r, p->dy_stride),
                          p->ds ? row_ptr(p->ds, st, r, p->ds_stride) : NULL,
                          p->mean ? p->mean[r] : 0.0f, p->rstd[r]};
-  fo_vf ag = {0}, agx = {0}; /* sum of g, of g * xhat: 16 accumulators */
+  fo_vf ag[FO_NV] = {{0}}, agx[FO_NV] = {{0}}; /* sums of g, of g * xhat in 16 lanes */
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) bwd_block_sums(&in, w, pw, pb, &ag, &agx, j, FO_VL, isa, xt, st);
-  if (j < n) bwd_block_sums(&in, w, pw, pb, &ag, &agx, j, (int)(n - j), isa, xt, st);
-  const float mean_g = p->rms ? 0.0f : fo_sum((const float *)&ag, FO_VL) / (float)n;
-  const float mean_gx = fo_sum((const float *)&agx, FO_VL) / (float)n;
+  for (; j + FO_STEP <= n; j += FO_STEP)
+    for (int k = 0; k < FO_NV; ++k) bwd_block_sums(&in, w, pw, pb, &ag[k], &agx[k], j + k * FO_VL, FO_VL, xt, st);
+  for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
+    bwd_block_sums(&in, w, pw, pb, &ag[k], &agx[k], j, fo_tail_len(n, j), xt, st);
+  const float mean_g = p->rms ? 0.0f : fo_sum_lanes(ag) / (float)n;
+  const float mean_gx = fo_sum_lanes(agx) / (float)n;
   char *dx = (char *)p->dx + (size_t)(r * n) * fo_dtype_size(st);
-  for (j = 0; j + FO_VL <= n; j += FO_VL) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, FO_VL, isa, xt, st);
-  if (j < n) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, (int)(n - j), isa, xt, st);
+  for (j = 0; j + FO_VL <= n; j += FO_VL) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, FO_VL, xt, st);
+  if (j < n) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, (int)(n - j), xt, st);
 }
 
-FO_INLINE void bwd_row_at(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
-                          const int isa) {
-  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, bwd_row_t, p, r, w, pw, pb, isa);
+static void bwd_row(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, bwd_row_t, p, r, w, pw, pb);
 }
-FO_ISA_DISPATCH(bwd_row, (const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb),
-                (p, r, w, pw, pb))
 
-const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
+const char *FO_FN(fo_norm_bwd_cpu)(const fo_norm_bwd_params *p) {
   const int64_t n = p->cols;
   const int want_partial = p->dweight || p->dbias;
   float *w = param_f32(p->weight, p->w_dtype, n, 1.0f);
@@ -307,3 +313,5 @@ const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p) {
   free(sum);
   return NULL;
 }
+FO_ENTRY(const char *, fo_norm_bwd_cpu, (const fo_norm_bwd_params *p), (p))
+

@@ -2,7 +2,7 @@
  * kTile elements widened to fp32 on the stack, one fused pass: every input
  * element read once, every output element written once (forward 3 matrices,
  * backward 5). The tile functions are compiled per x86-64 level
- * (FO_ISA_DISPATCH: fp16 through F16C at v3 and v4). Math and layout:
+ * (cpu_dtype.h: fp16 through F16C at v3 and v4). Math and layout:
  * swiglu.h. */
 #include <omp.h>
 
@@ -21,27 +21,25 @@ static const char *row_at(const void *base, const fo_glu_rows *m, int64_t r, int
   return (const char *)base + off * esize;
 }
 
-FO_INLINE void fwd_tile_at(fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n, const int isa) {
+static void fwd_tile(fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n) {
   float gs[kTile], us[kTile], os[kTile];
-  const float *restrict gf = fo_as_f32_at(isa, t, g, gs, n), *restrict uf = fo_as_f32_at(isa, t, u, us, n);
+  const float *restrict gf = fo_as_f32(t, g, gs, n), *restrict uf = fo_as_f32(t, u, us, n);
   float *restrict of = t == FO_F32 ? (float *)out : os;
   if (gelu) /* one loop per activation: each vectorises with no branch inside */
     for (int64_t j = 0; j < n; ++j) of[j] = fo_glu_fwd(gf[j], uf[j], 1);
   else
     for (int64_t j = 0; j < n; ++j) of[j] = fo_glu_fwd(gf[j], uf[j], 0);
-  if (t != FO_F32) fo_store_row_at(isa, t, out, of, n);
+  if (t != FO_F32) fo_store_row(t, out, of, n);
 }
-FO_ISA_DISPATCH(fwd_tile, (fo_dtype t, int gelu, const void *g, const void *u, void *out, int64_t n),
-                (t, gelu, g, u, out, n))
 
 /* The results go through scratch tiles, in every dtype: the outputs may be
  * the inputs themselves (glu_bwd_), which restrict rules out. out, when not
  * NULL, receives the forward's output too. */
-FO_INLINE void bwd_tile_at(fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
-                           void *out, int64_t n, const int isa) {
+static void bwd_tile(fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
+                           void *out, int64_t n) {
   float ds[kTile], gs[kTile], us[kTile], dgf[kTile], duf[kTile], hf[kTile];
-  const float *restrict df = fo_as_f32_at(isa, t, d, ds, n), *restrict gf = fo_as_f32_at(isa, t, g, gs, n),
-                        *restrict uf = fo_as_f32_at(isa, t, u, us, n);
+  const float *restrict df = fo_as_f32(t, d, ds, n), *restrict gf = fo_as_f32(t, g, gs, n),
+                        *restrict uf = fo_as_f32(t, u, us, n);
   if (gelu)
     for (int64_t j = 0; j < n; ++j) fo_glu_bwd(df[j], gf[j], uf[j], 1, &dgf[j], &duf[j]);
   else
@@ -51,19 +49,16 @@ FO_INLINE void bwd_tile_at(fo_dtype t, int gelu, const void *d, const void *g, c
       for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 1);
     else
       for (int64_t j = 0; j < n; ++j) hf[j] = fo_glu_fwd(gf[j], uf[j], 0);
-    fo_store_row_at(isa, t, out, hf, n);
+    fo_store_row(t, out, hf, n);
   }
-  fo_store_row_at(isa, t, dg, dgf, n);
-  fo_store_row_at(isa, t, du, duf, n);
+  fo_store_row(t, dg, dgf, n);
+  fo_store_row(t, du, duf, n);
 }
-FO_ISA_DISPATCH(bwd_tile, (fo_dtype t, int gelu, const void *d, const void *g, const void *u, void *dg, void *du,
-                           void *out, int64_t n),
-                (t, gelu, d, g, u, dg, du, out, n))
 
 /* Rows split evenly over the threads; a row of more than kTile elements is
  * walked in tiles. Narrow rows are as cheap per element as wide ones: the
  * work is per tile, not per row. */
-const char *fo_glu_fwd_cpu(const fo_glu_params *p) {
+const char *FO_FN(fo_glu_fwd_cpu)(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->cols))
   for (int64_t r = 0; r < p->rows; ++r) {
@@ -77,8 +72,9 @@ const char *fo_glu_fwd_cpu(const fo_glu_params *p) {
   }
   return NULL;
 }
+FO_ENTRY(const char *, fo_glu_fwd_cpu, (const fo_glu_params *p), (p))
 
-const char *fo_glu_bwd_cpu(const fo_glu_params *p) {
+const char *FO_FN(fo_glu_bwd_cpu)(const fo_glu_params *p) {
   const int es = fo_dtype_size(p->dtype), gelu = p->act == FO_GLU_GELU_TANH;
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->cols))
   for (int64_t r = 0; r < p->rows; ++r) {
@@ -96,3 +92,4 @@ const char *fo_glu_bwd_cpu(const fo_glu_params *p) {
   }
   return NULL;
 }
+FO_ENTRY(const char *, fo_glu_bwd_cpu, (const fo_glu_params *p), (p))

@@ -13,19 +13,12 @@ static const char *row_at(const fo_xent_params *p, int64_t r) {
   return (const char *)p->logits + (size_t)(r * p->x_stride) * (size_t)fo_dtype_size(p->dtype);
 }
 
-/* Lane k of a block starting at column j is a column of the row: j + k < n. */
-FO_INLINE fo_vi lanes_in(int64_t j, int64_t n) {
-  fo_vi k;
-  for (int i = 0; i < FO_VL; ++i) k[i] = i;
-  return k < (fo_vi){0} + (int32_t)(n - j < FO_VL ? n - j : FO_VL);
-}
-
 /* The row's block at column j (lanes past the row: `pad`). */
-FO_INLINE fo_vf block_at(int isa, fo_dtype t, const char *row, int64_t j, int64_t n, float pad) {
+FO_INLINE fo_vf block_at(fo_dtype t, const char *row, int64_t j, int64_t n, float pad) {
   const int es = fo_dtype_size(t);
-  if (j + FO_VL <= n) return fo_vload(isa, t, row + j * es);
-  const fo_vf v = fo_vload_n(isa, t, row + j * es, (int)(n - j));
-  const fo_vi in = lanes_in(j, n);
+  if (j + FO_VL <= n) return fo_vload(t, row + j * es);
+  const fo_vf v = fo_vload_n(t, row + j * es, (int)(n - j));
+  const fo_vi in = (fo_vi)fo_mask_first((int)(n - j)); /* lane k: column j + k of the row */
   return (fo_vf)(((fo_vi)v & in) | ((fo_vi)((fo_vf){0} + pad) & ~in));
 }
 
@@ -41,10 +34,10 @@ FO_INLINE fo_vf vexp(fo_vf x) {
  * classes loses ~10x torch's accuracy). A NaN or a +inf anywhere gives NaN,
  * all -inf gives -inf: the row's loss is then NaN, as torch's (its
  * log_softmax subtracts an infinite max). */
-FO_INLINE float row_lse(int isa, fo_dtype t, const char *row, int64_t n) {
+FO_INLINE float row_lse(fo_dtype t, const char *row, int64_t n) {
   fo_vi mv = (fo_vi)((fo_vf){0} - INFINITY), nan = {0};
   for (int64_t j = 0; j < n; j += FO_VL) {
-    const fo_vf v = block_at(isa, t, row, j, n, -INFINITY);
+    const fo_vf v = block_at(t, row, j, n, -INFINITY);
     const fo_vi gt = v > (fo_vf)mv;
     mv = ((fo_vi)v & gt) | (mv & ~gt);
     nan |= v != v;
@@ -59,30 +52,29 @@ FO_INLINE float row_lse(int isa, fo_dtype t, const char *row, int64_t n) {
   if (any_nan || m == INFINITY) return NAN;
   if (m == -INFINITY) return m;
   fo_vf s = {0};
-  for (int64_t j = 0; j < n; j += FO_VL) s += vexp(block_at(isa, t, row, j, n, -INFINITY) - m);
+  for (int64_t j = 0; j < n; j += FO_VL) s += vexp(block_at(t, row, j, n, -INFINITY) - m);
   float sum = 0.0f;
   for (int k = 0; k < FO_VL; ++k) sum += s[k];
   return m + logf(sum);
 }
 
 /* Row r: loss and lse. */
-FO_INLINE void fwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
+static void fwd_row(const fo_xent_params *p, int64_t r) {
   const char *row = row_at(p, r);
   const int64_t t = fo_xent_class(p, r);
-  const float lse = row_lse(isa, p->dtype, row, p->vocab);
+  const float lse = row_lse(p->dtype, row, p->vocab);
   p->lse[r] = lse;
   if (t < 0) {
     p->loss[r] = 0.0f;
   } else {
     float xt = NAN;
-    if (t < p->vocab) fo_load_row_at(isa, p->dtype, row + t * fo_dtype_size(p->dtype), &xt, 1);
+    if (t < p->vocab) fo_load_row(p->dtype, row + t * fo_dtype_size(p->dtype), &xt, 1);
     p->loss[r] = lse - xt;
   }
 }
-FO_ISA_DISPATCH(fwd_row, (const fo_xent_params *p, int64_t r), (p, r))
 
 /* Row r of dlogits: g (exp(x - lse) - [j = t]). */
-FO_INLINE void bwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
+static void bwd_row(const fo_xent_params *p, int64_t r) {
   const fo_dtype dt = p->dtype;
   const int es = fo_dtype_size(dt);
   const int64_t n = p->vocab, t = fo_xent_class(p, r);
@@ -90,22 +82,23 @@ FO_INLINE void bwd_row_at(const fo_xent_params *p, int64_t r, const int isa) {
   const char *row = row_at(p, r);
   char *out = (char *)p->dlogits + (size_t)(r * n) * (size_t)es;
   for (int64_t j = 0; j < n; j += FO_VL) {
-    fo_vf d = g * vexp(block_at(isa, dt, row, j, n, 0.0f) - lse);
+    fo_vf d = g * vexp(block_at(dt, row, j, n, 0.0f) - lse);
     if (t >= j && t < j + FO_VL) d[t - j] -= g;
-    if (j + FO_VL <= n) fo_vstore(isa, dt, out + j * es, d);
-    else fo_vstore_n(isa, dt, out + j * es, d, (int)(n - j));
+    if (j + FO_VL <= n) fo_vstore(dt, out + j * es, d);
+    else fo_vstore_n(dt, out + j * es, d, (int)(n - j));
   }
 }
-FO_ISA_DISPATCH(bwd_row, (const fo_xent_params *p, int64_t r), (p, r))
 
-const char *fo_xent_fwd_cpu(const fo_xent_params *p) {
+const char *FO_FN(fo_xent_fwd_cpu)(const fo_xent_params *p) {
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r);
   return NULL;
 }
+FO_ENTRY(const char *, fo_xent_fwd_cpu, (const fo_xent_params *p), (p))
 
-const char *fo_xent_bwd_cpu(const fo_xent_params *p) {
+const char *FO_FN(fo_xent_bwd_cpu)(const fo_xent_params *p) {
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r);
   return NULL;
 }
+FO_ENTRY(const char *, fo_xent_bwd_cpu, (const fo_xent_params *p), (p))
