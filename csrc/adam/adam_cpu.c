@@ -7,8 +7,8 @@
  *
  * fp32 parameters and states are updated in place by a loop the compiler
  * vectorises, compiled per x86-64 level (cpu_dtype.h). 16-bit tensors go
- * FO_VL elements at a time: loaded and widened into a register, updated by
- * the same loop (FO_VL lanes, one vector), rounded and stored, the
+ * FO_STEP (16) elements at a time: loaded and widened into registers, updated
+ * by the same loop (16 lanes, FO_NV vectors), rounded and stored, the
  * conversions inside the update (F16C for fp16 at v3 and v4), so that they
  * overlap its divisions and square roots; a master copy is updated in place
  * and the parameter receives it rounded. Measured (2 Zen 4 cores, 6.3 M
@@ -37,48 +37,47 @@ static inline void *elem(void *base, fo_dtype t, int64_t off) {
   return (char *)base + (size_t)off * (size_t)fo_dtype_size(t);
 }
 
-/* Elements [b, b + len) of tensor i, len <= FO_VL, 16-bit params of dtype pt
- * and states of dtype st: widened into registers, updated, rounded back. With
- * a master copy, p is the master (fp32, in place) and the param receives it
- * rounded. */
+/* Elements [b, b + len) of tensor i, len <= FO_STEP, 16-bit params of dtype
+ * pt and states of dtype st: widened into fp32 arrays, updated by the scalar
+ * update vectorised over them, rounded back. FO_STEP values a call at every
+ * level (FO_NV registers an array): at v3, 8-value blocks cost the call's
+ * pointer set-up and branches twice as often. With a master copy, p is the
+ * master (fp32, in place) and the param receives it rounded. */
 FO_INLINE void update_block(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t b, int len,
                             const fo_dtype pt, const fo_dtype st) {
   float *master = a->masters ? a->masters[i] + b : NULL;
   void *p_at = elem(a->params[i], pt, b), *m_at = elem(a->exp_avgs[i], st, b);
   void *v_at = elem(a->exp_avg_sqs[i], st, b);
   void *x_at = a->amsgrad ? elem(a->max_exp_avg_sqs[i], st, b) : NULL;
-  /* the update reads and writes arrays (one scalar function, vectorised over
-   * the block); the conversions take and give vectors */
-  float p[FO_VL], g[FO_VL], m[FO_VL], v[FO_VL], x[FO_VL];
-  fo_vf t = master ? fo_vload_n(FO_F32, master, len) : fo_vload_n(pt, p_at, len);
-  memcpy(p, &t, sizeof t);
-  t = fo_vload_n(pt, elem((void *)a->grads[i], pt, b), len);
-  memcpy(g, &t, sizeof t);
-  t = fo_vload_n(st, m_at, len);
-  memcpy(m, &t, sizeof t);
-  t = fo_vload_n(st, v_at, len);
-  memcpy(v, &t, sizeof t);
-  if (x_at) {
-    t = fo_vload_n(st, x_at, len);
-    memcpy(x, &t, sizeof t);
+  float p[FO_STEP], g[FO_STEP], m[FO_STEP], v[FO_STEP], x[FO_STEP];
+  if (len > FO_STEP) __builtin_unreachable(); /* tells GCC the row loads below stay in the arrays */
+  if (len < FO_STEP) { /* a tensor's last block: the lanes past len updated as zeros, not stored */
+    memset(p, 0, sizeof p), memset(g, 0, sizeof g), memset(m, 0, sizeof m), memset(v, 0, sizeof v);
+    memset(x, 0, sizeof x);
   }
-  update_f32(*c, FO_VL, p, g, m, v, x_at ? x : NULL);
-  if (master) fo_vstore_n(FO_F32, master, *(fo_vf *)p, len);
-  fo_vstore_n(pt, p_at, *(fo_vf *)p, len);
-  fo_vstore_n(st, m_at, *(fo_vf *)m, len);
-  fo_vstore_n(st, v_at, *(fo_vf *)v, len);
-  if (x_at) fo_vstore_n(st, x_at, *(fo_vf *)x, len);
+  if (master) fo_load_row(FO_F32, master, p, len);
+  else fo_load_row(pt, p_at, p, len);
+  fo_load_row(pt, elem((void *)a->grads[i], pt, b), g, len);
+  fo_load_row(st, m_at, m, len);
+  fo_load_row(st, v_at, v, len);
+  if (x_at) fo_load_row(st, x_at, x, len);
+  update_f32(*c, FO_STEP, p, g, m, v, x_at ? x : NULL);
+  if (master) fo_store_row(FO_F32, master, p, len);
+  fo_store_row(pt, p_at, p, len);
+  fo_store_row(st, m_at, m, len);
+  fo_store_row(st, v_at, v, len);
+  if (x_at) fo_store_row(st, x_at, x, len);
 }
 
 FO_INLINE void update_blocks(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n,
                              const fo_dtype pt, const fo_dtype st) {
   int64_t b = off;
-  for (; b + FO_VL <= off + n; b += FO_VL) update_block(a, c, i, b, FO_VL, pt, st);
+  for (; b + FO_STEP <= off + n; b += FO_STEP) update_block(a, c, i, b, FO_STEP, pt, st);
   if (b < off + n) update_block(a, c, i, b, (int)(off + n - b), pt, st);
 }
 
 /* Elements [off, off + n) of tensor i. fp32 is updated in place by one loop;
- * 16-bit data a block of FO_VL at a time, the conversions inside the update
+ * 16-bit data FO_STEP values at a time, the conversions inside the update
  * (hardware fp16 conversions at x86-64-v3 and v4), one copy of the loop per
  * dtype pair. */
 static void update_span(const fo_adam_params *a, const fo_adam_coef *c, int64_t i, int64_t off, int64_t n) {
