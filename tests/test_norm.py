@@ -469,7 +469,9 @@ def test_backward_plans_cuda(env):
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
                                  "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2",
                                  "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200",
-                                 "FUSEDOPS_NORM_GROUP_BWD=0", "FUSEDOPS_NORM_SHIFT=0", "FUSEDOPS_NORM_SHIFT=2"])
+                                 "FUSEDOPS_NORM_GROUP_BWD=0", "FUSEDOPS_NORM_SHIFT=0", "FUSEDOPS_NORM_SHIFT=2",
+                                 "FUSEDOPS_NORM_SHIFT_BWD=0", "FUSEDOPS_NORM_SHIFT_BWD=2",
+                                 "FUSEDOPS_NORM_SHIFT_EARLY=0"])
 def test_chunk_plans_cuda(env):
     """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
     one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
@@ -483,7 +485,10 @@ def test_chunk_plans_cuda(env):
     values and its rows past 1536 values of 2 mod 4 or odd widths on the
     register and loop kernels) and taken at every width (SHIFT=2: 1 and 7
     values all head or tail, 62-263 one warp a row, fwd_group's 1025 and
-    1030), on the shape, 8-byte, small-chunk, one-warp and shifted-row cases."""
+    1030), and bwd_shift likewise (SHIFT_BWD=0: bwd_regs and the loop kernels;
+    2: bwd_group's rows too), and fwd_shift's one-chunk kernels with the
+    weight loaded after the reductions (SHIFT_EARLY=0), on the shape, 8-byte,
+    small-chunk, one-warp and shifted-row cases."""
     _tests_with_env(env, "test_shifted_rows or ((test_shapes or test_half_aligned or test_small_chunk or "
                          "test_warp_backward) and cuda)")
 

@@ -92,7 +92,8 @@ def main():
                       ("FUSEDOPS_NORM_FWD_WARP", "fwd_warp"), ("FUSEDOPS_NORM_BWD_WARP", "bwd_warp"),
                       ("FUSEDOPS_NORM_BWD_BLOCK", "bwd_block"), ("FUSEDOPS_NORM_GROUP", "group"),
                       ("FUSEDOPS_NORM_GROUP_KB", "group_kb"), ("FUSEDOPS_NORM_GROUP_BWD", "group_bwd"),
-                      ("FUSEDOPS_NORM_NARROW_BLOCK", "narrow_block"), ("FUSEDOPS_NORM_SHIFT", "shift")):
+                      ("FUSEDOPS_NORM_NARROW_BLOCK", "narrow_block"), ("FUSEDOPS_NORM_SHIFT", "shift"),
+                      ("FUSEDOPS_NORM_SHIFT_BWD", "shift_bwd"), ("FUSEDOPS_NORM_SHIFT_EARLY", "shift_early")):
         if var in os.environ:
             tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):

@@ -53,6 +53,7 @@ def norm_cases():
             (ln((7, 4098), BF16), []),  # fwd_shift: heads of 0, 6, 4, 2 values, a tail of 2-6
             (rms((9, 4095), F16, param="fp32"), []),  # ... heads of 0-7 values, an fp32 weight
             (ln((5, 10002), BF16, residual="none"), []),  # ... four chunks a thread
+            (rms((7, 6002), BF16), []),  # bwd_shift, two chunks a thread
             (ln((37, 1002), BF16, residual="fp32"), []),  # 2 mod 4: 4-byte register kernels
             (rms((37, 202), F32), []),  # fp32, even: 8-byte register kernels
             (ln((5, 62), BF16), []),  # one 4-byte chunk a thread: the backward's sums padded

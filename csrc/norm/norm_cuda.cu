@@ -518,23 +518,23 @@ __global__ void __launch_bounds__(32 * (16 / sizeof(T))) fwd_group(const fo_norm
 // then misaligned by h: read 4 bytes at a time (h even) or an element at a
 // time, from L1 after the first rows.
 template <class W>
-__device__ __forceinline__ void shifted_params(const W *w, int64_t c, float (&out)[8]) {
+__device__ __forceinline__ Pack<W, 8> shifted_pack(const W *w, int64_t c) {
+  Pack<W, 8> pk;
   if constexpr (sizeof(W) == 2) {
     if ((reinterpret_cast<uintptr_t>(w + c) & 3) == 0) {
 #pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        const Pack<W, 2> pk = load_pack<2>(w + c + i);
-        out[i] = pack_value(pk, 0);
-        out[i + 1] = pack_value(pk, 1);
-      }
-      return;
+      for (int i = 0; i < 8; i += 2) reinterpret_cast<Pack<W, 2> *>(&pk)[i / 2] = load_pack<2>(w + c + i);
+      return pk;
     }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = to_f(w[c + i]);
+  for (int i = 0; i < 8; ++i) pk.v[i] = w[c + i];
+  return pk;
 }
 
-template <class T, class W, int NV>
+// EARLY: the weight and bias are loaded with the row, before the reductions
+// (fwd_regs does so up to 16 values a thread), else after them.
+template <class T, class W, int NV, bool EARLY>
 __global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_params p) {
   constexpr int VEC = 8;
   static_assert(sizeof(T) == 2, "16-bit rows");
@@ -562,6 +562,21 @@ __global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_par
       xr[k] = load_raw<VEC>(x + col(k));
       if (r) rr[k] = load_raw<VEC>(r + col(k));
     }
+  }
+  const W *w = static_cast<const W *>(p.weight), *b = static_cast<const W *>(p.bias);
+  Pack<W, VEC> wp[NV], bp[NV];
+  float ew = 0.f, eb = 0.f;  // the edge value's weight and bias
+  auto load_params = [&](int k) {  // chunk k's; the edge value's with chunk 0
+    if (col(k) < cols) {
+      if (w) wp[k] = shifted_pack(w, col(k));
+      if (b) bp[k] = shifted_pack(b, col(k));
+    }
+    if (k == 0 && edge && w) ew = to_f(w[ec]);
+    if (k == 0 && edge && b) eb = to_f(b[ec]);
+  };
+  if (EARLY) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) load_params(k);
   }
   float e = 0.f;  // the edge value of s, as stored
   if (edge) {
@@ -591,27 +606,25 @@ __global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_par
     var = sq[0] / (float)cols;
   }
   const float rstd = rsqrtf(var + p.eps);
-  const W *w = static_cast<const W *>(p.weight), *b = static_cast<const W *>(p.bias);
   T *y = static_cast<T *>(p.y) + base;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
+    if (!EARLY) load_params(k);  // a chunk's at a time: 64 registers at four chunks, not 107-109
     if (col(k) < cols) {
-      float o[VEC], wv[VEC], bv[VEC];
-      if (w) shifted_params(w, col(k), wv);
-      if (b) shifted_params(b, col(k), bv);
+      float o[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         o[i] = (pack_value(sv[k], i) - mean) * rstd;
-        if (w) o[i] *= wv[i];
-        if (b) o[i] += bv[i];
+        if (w) o[i] *= pack_value(wp[k], i);
+        if (b) o[i] += pack_value(bp[k], i);
       }
       store_f<VEC>(y + col(k), o);
     }
   }
   if (edge) {
     float o = (e - mean) * rstd;
-    if (w) o *= to_f(w[ec]);
-    if (b) o += to_f(b[ec]);
+    if (w) o *= ew;
+    if (b) o += eb;
     y[ec] = from_f<T>(o);
   }
   if (tid == 0) save_stats(p, row, mean, rstd);
@@ -1085,6 +1098,120 @@ __global__ void __launch_bounds__(bwd_max_threads(NV * VEC, VEC)) bwd_regs(const
       for (int t = 0; t < (int)blockDim.y; ++t) sum += sums[(t * 2 + which) * Q * team * 4 + slot];
       out[c] = sum;
     }
+  }
+}
+
+// bwd_shift: fwd_shift's rows for the backward (contiguous dy, s, ds and dx,
+// 16-bit, of one dtype): a head to each row's first 16-byte boundary and a
+// tail one value a thread, 16-byte chunks in registers between, persistent
+// blocks of one team over the rows. A thread's columns move with each row's
+// head, so dweight / dbias are summed in shared memory by column ([2][cols]
+// floats a block), not in bwd_regs' per-thread slots: within a row the team's
+// columns are disjoint, and team_sum's barrier (a __syncwarp for one-warp
+// teams) orders one row's updates before the next row's, so no atomics.
+template <class T, class W, int NV>
+__global__ void __launch_bounds__(kShiftThreads) bwd_shift(const fo_norm_bwd_params p) {
+  constexpr int VEC = 8;
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  __shared__ float red[2][64];
+  extern __shared__ float colsums[];  // [dweight, dbias][cols]: this block's rows' sums
+  const int tid = threadIdx.x, team = blockDim.x;
+  const int64_t cols = p.cols;
+  const bool want_w = p.dweight != nullptr, want_b = p.dbias != nullptr;
+  // column c's sum at (c % 8) * L + c / 8: for a value number i of its
+  // chunks, a warp's threads add into consecutive words (by column, chunks 8
+  // values apart were an 8-way bank conflict)
+  const int64_t L = (cols + 7) / 8;
+  auto slot = [&](int64_t c) { return (c % 8) * L + c / 8; };
+  float *acc_w = colsums, *acc_b = colsums + (want_w ? 8 * L : 0);
+  const int64_t nsums = ((want_w ? 1 : 0) + (want_b ? 1 : 0)) * 8 * L;
+  for (int64_t c = tid; c < nsums; c += team) colsums[c] = 0.f;
+  __syncthreads();
+  auto add_sums = [&](int64_t c, float dw, float db) {
+    if (want_w) acc_w[slot(c)] += dw;
+    if (want_b) acc_b[slot(c)] += db;
+  };
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = row * cols;
+    const int64_t h16 = (16 - base * (int64_t)sizeof(T) % 16) % 16 / (int64_t)sizeof(T);
+    const int h = (int)(h16 < cols ? h16 : cols);
+    const int64_t chunks = (cols - h) / VEC, tail = h + chunks * VEC;
+    auto col = [&](int k) {
+      const int64_t j = (int64_t)k * team + tid;
+      return j < chunks ? h + j * VEC : cols;
+    };
+    const bool edge = tid < cols - chunks * VEC;
+    const int64_t ec = tid < h ? tid : tail + (tid - h);
+    const T *dyp = static_cast<const T *>(p.dy) + base;
+    const T *sp = static_cast<const T *>(p.s) + base;
+    const T *dsp = p.ds ? static_cast<const T *>(p.ds) + base : nullptr;
+    const W *w = static_cast<const W *>(p.weight);
+    const float mean = p.mean ? p.mean[row] : 0.f, rstd = p.rstd[row];
+    Raw<T, VEC> sv[NV], dyv[NV], dsv[NV];
+    Pack<W, VEC> wv[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {  // loads only
+      if (col(k) < cols) {
+        sv[k] = load_raw<VEC>(sp + col(k));
+        dyv[k] = load_raw<VEC>(dyp + col(k));
+        if (dsp) dsv[k] = load_raw<VEC>(dsp + col(k));
+        if (w) wv[k] = shifted_pack(w, col(k));
+      }
+    }
+    float e_dy = 0.f, e_xh = 0.f, e_g = 0.f, e_ds = 0.f;  // the edge value's terms
+    float sums[2] = {0.f, 0.f};                           // sum of g, sum of g * xhat
+    if (edge) {
+      e_dy = to_f(dyp[ec]);
+      e_xh = (to_f(sp[ec]) - mean) * rstd;
+      e_g = w ? e_dy * to_f(w[ec]) : e_dy;
+      if (dsp) e_ds = to_f(dsp[ec]);
+      sums[0] = e_g;
+      sums[1] = e_g * e_xh;
+      add_sums(ec, e_dy * e_xh, e_dy);
+    }
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          float dy, xh, g;
+          grad_terms(dyv[k].pack(), sv[k].pack(), wv[k], i, w, mean, rstd, dy, xh, g);
+          sums[0] += g;
+          sums[1] += g * xh;
+          add_sums(col(k) + i, dy * xh, dy);
+        }
+      }
+    }
+    if (team == 32) __syncwarp();  // team_sum has no barrier for one warp
+    team_sum<true>(sums, team, red[parity]);
+    parity ^= 1;
+    const float mean_g = p.rms ? 0.f : sums[0] / (float)cols;
+    const float mean_gx = sums[1] / (float)cols;
+    T *dx = static_cast<T *>(p.dx) + base;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (col(k) < cols) {
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          float dy, xh, g;
+          grad_terms(dyv[k].pack(), sv[k].pack(), wv[k], i, w, mean, rstd, dy, xh, g);
+          o[i] = rstd * (g - mean_g - xh * mean_gx);
+          if (dsp) o[i] += pack_value(dsv[k].pack(), i);
+        }
+        store_f<VEC>(dx + col(k), o);
+      }
+    }
+    if (edge) dx[ec] = from_f<T>(rstd * (e_g - mean_g - e_xh * mean_gx) + e_ds);
+  }
+  if (!want_w && !want_b) return;
+  __syncthreads();
+  for (int which = 0; which < 2; ++which) {
+    if (!(which == 0 ? want_w : want_b)) continue;
+    float *out = p.partial + ((int64_t)which * p.parts + blockIdx.x) * cols;
+    const float *sums = which == 0 ? acc_w : acc_b;
+    for (int64_t c = tid; c < cols; c += team) out[c] = sums[slot(c)];
   }
 }
 
@@ -1945,6 +2072,15 @@ int shift_fwd(const fo_norm_fwd_params *p, int vec) {
   return 0;
 }
 
+// Whether fwd_shift loads the weight and bias with the row (EARLY): at one
+// chunk a thread only (at two, an fp32 weight took 107-109 registers, one
+// 512-thread block an SM). FUSEDOPS_NORM_SHIFT_EARLY=0 turns it off, for
+// tuning. Not yet measured: the default is a guess.
+bool shift_early(int nv) {
+  static const int on = env_int("FUSEDOPS_NORM_SHIFT_EARLY", 0, 1, 1);
+  return on && nv == 1;
+}
+
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
 // (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
 // holds. FUSEDOPS_NORM_PARK overrides it, for tuning and for the tests.
@@ -2078,6 +2214,28 @@ size_t group_bwd(const fo_norm_bwd_params *p, int vec) {
   return ok ? smem : 0;
 }
 
+// Whether bwd_shift runs a backward, and its chunks a thread (0: it does not):
+// fwd_shift's rows (16-bit dy, s and ds of one dtype that allow no 16-byte
+// access; contiguous dy, s, ds and dx that start 16-byte aligned) where
+// bwd_group does not take them, up to 8K values (its column sums: 64 KB of
+// shared memory). FUSEDOPS_NORM_SHIFT_BWD overrides it, for tuning: 0 never,
+// 2 at any width (bwd_group's rows too).
+int shift_bwd(const fo_norm_bwd_params *p, int vec, bool group) {
+  static const int mode = env_int("FUSEDOPS_NORM_SHIFT_BWD", 0, 2, 1);
+  const int xs = fo_dtype_size(p->x_dtype);
+  // LayerNorm's 4-byte rows below 2K values keep bwd_regs (16384x1030 bf16: 1750 GB/s against
+  // bwd_shift's 1686; from 2050 and for RMSNorm bwd_shift leads, perf-notes v34)
+  const bool regs_lead = mode == 1 && !p->rms && vec * xs >= 4 && p->cols < 2048;
+  if (!mode || (mode == 1 && group) || regs_lead || xs != 2 || p->s_dtype != p->x_dtype || vec * xs >= 16 ||
+      p->rows <= 0 || p->cols > 8192 ||
+      !whole_rows(p->cols, {{p->dy, p->dy_stride}, {p->s, p->s_stride}, {p->ds, p->ds_stride}, {p->dx, p->cols}}))
+    return 0;
+  const int64_t chunks = p->cols / 8;
+  for (int nv = 1; nv <= 2; nv *= 2)  // 8K values: at most two chunks a thread
+    if ((chunks + nv - 1) / nv <= kShiftThreads) return nv;
+  return 0;
+}
+
 // The backward's plan: the dx kernel, its grid and shared memory, and the
 // dweight/dbias partial rows (0 when none are wanted; -1 where the plan names
 // a register kernel that is not compiled, a bug). `launch` false only plans
@@ -2097,7 +2255,9 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
   const Shape pc = c.nv == 0 || c.team > kPipeThreads || bwd_pipe_mid(p, full) ? pipe_shape(p->cols, vec, full, device)
                                                                               : Shape{};
   const bool want = p->dweight || p->dbias;
-  const size_t group_smem = group_bwd(p, vec);
+  size_t group_smem = group_bwd(p, vec);
+  const int shift_nv = shift_bwd(p, vec, group_smem != 0);
+  if (shift_nv) group_smem = 0;
   int64_t parts = 0;
   bool planned = true;
   with_types(p->x_dtype, p->s_dtype, p->w_dtype, [&](auto tt, auto ts, auto tw) {
@@ -2108,7 +2268,27 @@ int64_t bwd_plan(const fo_norm_bwd_params *p, int device, bool launch, cudaStrea
     int stages = 0;
     const size_t stage = (size_t)kPipeChunks * V * pc.team * (sizeof(S) + sizeof(T) + (p->ds ? sizeof(S) : 0));
     const size_t smem = pc.nv && !group_smem ? pipe_smem(stage, device, &stages) : 0;
-    if (group_smem) {
+    auto shifted = [&]() {  // bwd_shift, where shift_nv names it: whether it ran
+      if constexpr (sizeof(T) == 2 && std::is_same_v<S, T>) {
+        if (!shift_nv) return false;
+        const int team = (int)std::max<int64_t>(32, ((p->cols / 8 + shift_nv - 1) / shift_nv + 31) / 32 * 32);
+        const size_t sums =
+            (size_t)((p->dweight ? 1 : 0) + (p->dbias ? 1 : 0)) * 8 * ((p->cols + 7) / 8) * sizeof(float);
+        auto run = [&](auto k) {
+          allow_smem(k, sums > 48 * 1024 ? sums : 0, device);
+          const int grid = persistent_grid(k, p->rows, Shape{8, shift_nv, team, 1}, sums, device);
+          parts = want ? grid : 0;
+          if (launch) k<<<grid, team, sums, stream>>>(*p);
+        };
+        if (shift_nv == 1) run(bwd_shift<T, W, 1>);
+        else run(bwd_shift<T, W, 2>);  // rows of at most 8K values: two chunks a thread hold them
+        return true;
+      }
+      return false;
+    };
+    if (shifted()) {
+      // its dweight / dbias partial rows go to colsum below
+    } else if (group_smem) {
       auto *k = bwd_group<T, S, W>;
       constexpr int G = 16 / sizeof(T);  // a group: G rows, a warp each
       const int grid = persistent_grid(k, p->rows, Shape{c.vec, 0, 32, G}, group_smem, device);
@@ -2194,9 +2374,10 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
       using W = typename decltype(tw)::type;
       if constexpr (sizeof(T) == 2 && std::is_same_v<typename decltype(ts)::type, T>) {
         auto launch = [&](auto k) { k<<<(unsigned)p->rows, (unsigned)team, 0, st>>>(*p); };
-        if (nv == 1) launch(fwd_shift<T, W, 1>);
-        else if (nv == 2) launch(fwd_shift<T, W, 2>);
-        else launch(fwd_shift<T, W, 4>);
+        const bool early = shift_early(nv);
+        if (nv == 1) launch(early ? fwd_shift<T, W, 1, true> : fwd_shift<T, W, 1, false>);
+        else if (nv == 2) launch(fwd_shift<T, W, 2, false>);
+        else launch(fwd_shift<T, W, 4, false>);
         done = true;
       }
     });
