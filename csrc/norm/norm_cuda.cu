@@ -532,6 +532,32 @@ __device__ __forceinline__ Pack<W, 8> shifted_pack(const W *w, int64_t c) {
   return pk;
 }
 
+// One row of fwd_shift / bwd_shift for thread tid of a team: the row starts at
+// element `base` of arrays that start 16-byte aligned; h values (h < 8) up to
+// its first 16-byte boundary, `chunks` 16-byte chunks of 8 values, a tail of
+// fewer than 8. col(k): the column of this thread's k-th chunk, cols past the
+// last (so that col(k) < cols is the guard); edge: whether it takes one of the
+// head's and tail's values, the one at column ec.
+template <class T>
+struct ShiftedRow {
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  int64_t cols, chunks, ec;
+  int h, tid, team;
+  bool edge;
+  __device__ __forceinline__ ShiftedRow(int64_t base, int64_t cols_, int tid_, int team_)
+      : cols(cols_), tid(tid_), team(team_) {
+    const int64_t h16 = (16 - base * (int64_t)sizeof(T) % 16) % 16 / (int64_t)sizeof(T);  // values to the boundary
+    h = (int)(h16 < cols ? h16 : cols);
+    chunks = (cols - h) / 8;
+    edge = tid < cols - chunks * 8;
+    ec = tid < h ? tid : h + chunks * 8 + (tid - h);
+  }
+  __device__ __forceinline__ int64_t col(int k) const {
+    const int64_t j = (int64_t)k * team + tid;
+    return j < chunks ? h + j * 8 : cols;
+  }
+};
+
 // EARLY: the weight and bias are loaded with the row, before the reductions
 // (fwd_regs does so up to 16 values a thread), else after them.
 template <class T, class W, int NV, bool EARLY>
@@ -541,17 +567,10 @@ __global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_par
   __shared__ float red[2][32];
   const int tid = threadIdx.x, team = blockDim.x;
   const int64_t cols = p.cols, row = blockIdx.x, base = row * cols;
-  const int64_t h16 = (16 - base * (int64_t)sizeof(T) % 16) % 16 / (int64_t)sizeof(T);  // values to the boundary
-  const int h = (int)(h16 < cols ? h16 : cols);
-  const int64_t chunks = (cols - h) / VEC, tail = h + chunks * VEC;
-  // This thread's chunks; past the last one, cols (so that col(k) < cols is the guard).
-  auto col = [&](int k) {
-    const int64_t j = (int64_t)k * team + tid;
-    return j < chunks ? h + j * VEC : cols;
-  };
-  // The head's and tail's values, one a thread: column ec.
-  const bool edge = tid < cols - chunks * VEC;
-  const int64_t ec = tid < h ? tid : tail + (tid - h);
+  const ShiftedRow<T> sr(base, cols, tid, team);
+  auto col = [&](int k) { return sr.col(k); };
+  const bool edge = sr.edge;
+  const int64_t ec = sr.ec;
   const T *x = static_cast<const T *>(p.x) + base;
   const T *r = p.residual ? static_cast<const T *>(p.residual) + base : nullptr;
   T *s = p.s ? static_cast<T *>(p.s) + base : nullptr;
@@ -1134,15 +1153,10 @@ __global__ void __launch_bounds__(kShiftThreads) bwd_shift(const fo_norm_bwd_par
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int64_t base = row * cols;
-    const int64_t h16 = (16 - base * (int64_t)sizeof(T) % 16) % 16 / (int64_t)sizeof(T);
-    const int h = (int)(h16 < cols ? h16 : cols);
-    const int64_t chunks = (cols - h) / VEC, tail = h + chunks * VEC;
-    auto col = [&](int k) {
-      const int64_t j = (int64_t)k * team + tid;
-      return j < chunks ? h + j * VEC : cols;
-    };
-    const bool edge = tid < cols - chunks * VEC;
-    const int64_t ec = tid < h ? tid : tail + (tid - h);
+    const ShiftedRow<T> sr(base, cols, tid, team);
+    auto col = [&](int k) { return sr.col(k); };
+    const bool edge = sr.edge;
+    const int64_t ec = sr.ec;
     const T *dyp = static_cast<const T *>(p.dy) + base;
     const T *sp = static_cast<const T *>(p.s) + base;
     const T *dsp = p.ds ? static_cast<const T *>(p.ds) + base : nullptr;
