@@ -223,6 +223,21 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
   }
 }
 
+// Chunks k of x, and of r where it is not null, into xr[k] and rr[k]: those
+// with col(k) < cols (the register kernels' guard), every load in flight at
+// once.
+template <int VEC, int N, class T, class S, class Col>
+__device__ __forceinline__ void load_chunks(const T *x, const S *r, int64_t cols, Col col, Raw<T, VEC> (&xr)[N],
+                                            Raw<S, VEC> (&rr)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (col(k) < cols) {
+      xr[k] = load_raw<VEC>(x + col(k));
+      if (r) rr[k] = load_raw<VEC>(r + col(k));
+    }
+  }
+}
+
 // A team of threads per row (a warp, eight to a block, or the whole block)
 // holds the row in registers as s is stored (16-bit s: half the registers of
 // fp32 values; 40 registers for 16 bf16 values a thread where fp32 copies
@@ -251,13 +266,7 @@ __global__ void __launch_bounds__(fwd_max_threads(NV * VEC, all_bf16<T, S, W> &&
     // Loads only, as raw words (Raw): every chunk's loads in flight at once.
     Raw<T, VEC> xr[NV];
     Raw<S, VEC> rr[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (col(k) < cols) {
-        xr[k] = load_raw<VEC>(x + col(k));
-        if (r) rr[k] = load_raw<VEC>(r + col(k));
-      }
-    }
+    load_chunks(x, r, cols, col, xr, rr);
     // weight and bias: issued with the row's loads where registers allow (16
     // values a thread or fewer), so that their latency is not added after the
     // reductions; else after them (32 values: 64 registers, and they spill),
@@ -575,13 +584,7 @@ __global__ void __launch_bounds__(kShiftThreads) fwd_shift(const fo_norm_fwd_par
   const T *r = p.residual ? static_cast<const T *>(p.residual) + base : nullptr;
   T *s = p.s ? static_cast<T *>(p.s) + base : nullptr;
   Raw<T, VEC> xr[NV], rr[NV];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (col(k) < cols) {
-      xr[k] = load_raw<VEC>(x + col(k));
-      if (r) rr[k] = load_raw<VEC>(r + col(k));
-    }
-  }
+  load_chunks(x, r, cols, col, xr, rr);
   const W *w = static_cast<const W *>(p.weight), *b = static_cast<const W *>(p.bias);
   Pack<W, VEC> wp[NV], bp[NV];
   float ew = 0.f, eb = 0.f;  // the edge value's weight and bias
@@ -684,6 +687,8 @@ __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_pa
   }
   cp_async_commit();
   Raw<T, VEC> xr[NR], rr[NR];
+  // load_chunks' loop written out: through the helper fwd_park's SASS changed
+  // (8-16 instructions a kernel, not measured), fwd_regs' and fwd_shift's did not
 #pragma unroll
   for (int k = 0; k < NR; ++k) {
     if (col(k) < cols) {
