@@ -50,19 +50,19 @@ int fo_cpu_set_isa(int cap) {
 
 /* dst = src converted, n elements: 16-bit (fo_dtype 1 or 2) to fp32 when
  * widen, else fp32 to 16-bit; in blocks and a tail, as the kernels do. */
-void FO_FN(convert)(int t, int widen, const void *src, void *dst, int64_t n) {
+void FO_FN(fo_convert_rows)(int t, int widen, const void *src, void *dst, int64_t n) {
   if (widen) fo_load_row((fo_dtype)t, src, (float *)dst, n);
   else fo_store_row((fo_dtype)t, dst, (const float *)src, n);
 }
 
 #if FO_LEVEL == 0
-FO_DECLARE(void, convert, (int t, int widen, const void *src, void *dst, int64_t n))
+FO_DECLARE(void, fo_convert_rows, (int t, int widen, const void *src, void *dst, int64_t n))
 
 /* The same at level isa, which must not be above fo_cpu_isa(). Returns 0, or
  * -1 (nothing done) for a level or dtype out of range. */
 int fo_cpu_convert(int isa, int t, int widen, const void *src, void *dst, int64_t n) {
   if (isa > fo_cpu_isa() || (t != FO_F16 && t != FO_BF16)) return -1;
-  FO_PICK(isa, convert, (t, widen, src, dst, n));
+  FO_PICK(isa, fo_convert_rows, (t, widen, src, dst, n));
   return 0;
 }
 #endif
