@@ -495,7 +495,8 @@ def test_chunk_plans_cuda(env):
 
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0", "FUSEDOPS_NORM_STATS_BLOCK=0",
-                                 "FUSEDOPS_NORM_NARROW_BLOCK=1", "FUSEDOPS_NORM_NARROW_BLOCK=2"])
+                                 "FUSEDOPS_NORM_NARROW_BLOCK=1", "FUSEDOPS_NORM_NARROW_BLOCK=2",
+                                 "FUSEDOPS_NORM_LN16=0", "FUSEDOPS_NORM_LN16=2"])
 def test_forward_plans_cuda(env):
     """fwd_park runs by default only where its rows fill its last wave of
     blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
@@ -505,10 +506,13 @@ def test_forward_plans_cuda(env):
     FUSEDOPS_NORM_NARROW_BLOCK sets the rows (one a warp) of a block of the
     forward without statistics at 256 and 512 wide, whose default depends on
     the GPU's memory bandwidth (1 on an H100, 2 on an H200): with 2, odd row
-    counts (1, 3, 5, 9, 13, 1001) leave the last block half full."""
+    counts (1, 3, 5, 9, 13, 1001) leave the last block half full.
+    FUSEDOPS_NORM_LN16 likewise sets LayerNorm's values a thread at 2048-4096
+    wide (8 on an H100, 16 on an H200; 0: 8, 2: 16 on any GPU), on the middle
+    widths' cases (2200-3584, bf16 and fp16)."""
     _tests_with_env(env, "test_wide_rows or (test_forward_without_stats and cuda) or "
                          "(test_noncontiguous and 17000 and cuda) or test_back_to_back or "
-                         "(test_s_is_eager_sum and cuda) or test_narrow_rows")
+                         "(test_s_is_eager_sum and cuda) or test_narrow_rows or (test_mid_backward and cuda)")
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and

@@ -19,7 +19,9 @@ block for the most resident warps) or FUSEDOPS_NORM_GROUP=0|2 (fwd_group never,
 or also for 8-byte rows; FUSEDOPS_NORM_GROUP_KB its shared-memory cap) or
 FUSEDOPS_NORM_GROUP_BWD=0 (no bwd_group) or FUSEDOPS_NORM_NARROW_BLOCK=1|2 (the
 256- and 512-wide forward without statistics one or two rows a block; by
-default 2 on GPUs of more than 30 GB/s of memory bandwidth an SM) to compare plans:
+default 2 on GPUs of more than 30 GB/s of memory bandwidth an SM) or
+FUSEDOPS_NORM_LN16=0|2 (LayerNorm's forward at 2048-4096 wide 8 values a
+thread, or 16 on any GPU; by default 16 on those GPUs) to compare plans:
 
     FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
 

@@ -2173,6 +2173,21 @@ int narrow_block_rows(int cols, int device) {
   return forced ? forced : mem_gbps_per_sm(device) > 30 ? 2 : 1;
 }
 
+// Whether LayerNorm's forward takes 16 values a thread (two 16-byte chunks,
+// half the team) where choose() gave 8 values to a team of 256-512 threads
+// (16-bit rows of 2048-4096 values), on a GPU of more than 30 GB/s of memory
+// bandwidth an SM. Each row costs such a team two block barriers (mean, then
+// variance; RMSNorm has one). On an H200 (36 GB/s an SM) the halved team
+// read +2.6 % (8192 x 2048) to +12 % (4681 x 3584), 0.90 -> 0.97 of the copy
+// at 16384 x 4096 (RMSNorm: -1.2 to +0.6 %); on an H100 (25 GB/s) it lost up
+// to 1 % (docs/perf-notes.md, v36). FUSEDOPS_NORM_LN16=0 never, 2 on any GPU
+// (for tuning); FUSEDOPS_NORM_VALUES, set, decides instead.
+bool ln_sixteen(const fo_norm_fwd_params *p, const Shape &c, int device) {
+  static const int mode = env_int("FUSEDOPS_NORM_LN16", 0, 2, 1);
+  if (mode == 0 || p->rms || target_values(0) != 0 || c.nv != 1 || c.vec != 8 || c.team < 256) return false;
+  return fo_dtype_size(p->x_dtype) == 2 && (mode == 2 || mem_gbps_per_sm(device) > 30);
+}
+
 // Whether training's narrow forward runs eight rows a block (fwd_narrow's RB
 // 8, whole-sector statistics stores): 1 (the default) or 0, a block a row as
 // in inference, for tuning. FUSEDOPS_NORM_STATS_BLOCK overrides it.
@@ -2413,7 +2428,8 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
   // 0.86 at 8192.
   Shape c = choose(p->cols, vec, target_values(8), max_values, max_threads);
-  if (c.nv == 0 || c.team > kFwdNarrowTeam) c = choose(p->cols, vec, target, max_values, max_threads);
+  if (c.nv == 0 || c.team > kFwdNarrowTeam || ln_sixteen(p, c, device))
+    c = choose(p->cols, vec, target, max_values, max_threads);
   // Rows no 512-thread team holds: 1024-thread teams of 32 bf16 values
   // (fwd_team_cap). At 16384 wide, 16 values x 1024 measured 0.88 / 0.91 of
   // the copy (LN / RMS) against 32 x 512's 0.91 / 0.92: only where 512 cannot.
