@@ -9,24 +9,48 @@
  * + r with |r| <= ln2/2, e^r from a degree-6 polynomial (Cephes' coefficients),
  * times 2^n applied as two factors, so that IEEE overflow and underflow give
  * inf and 0 (and gradual subnormals) without branches. NaN stays NaN; the
- * clamp only keeps n within the range of the two factors. */
+ * clamp to [-150, 100] only keeps n within the range of the two factors.
+ *
+ * FO_EXP_STEPS is the arithmetic between the clamp and the factors, for a
+ * float or an fo_vf x (scalars broadcast): it declares t (x log2 e + MAGIC,
+ * whose low bits are the integer n), n and p (e^r). */
+#define FO_EXP_MAGIC 12582912.f /* 1.5 * 2^23: adding it rounds to an integer */
+#define FO_EXP_STEPS(T, x, t, n, p)                                                    \
+  const T t = (x) * 1.44269504088896341f + FO_EXP_MAGIC;                             \
+  const T n = t - FO_EXP_MAGIC;                                                      \
+  const T r_ = ((x) - n * 0.693359375f) - n * -2.12194440e-4f; /* ln2 in two parts */ \
+  T p = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                    \
+  p = p * r_ + 8.3334519073e-3f;                                                     \
+  p = p * r_ + 4.1665795894e-2f;                                                     \
+  p = p * r_ + 1.6666665459e-1f;                                                     \
+  p = p * r_ + 5.0000001201e-1f;                                                     \
+  p = p * r_ * r_ + r_ + 1.f
+
 static inline float fo_expf(float x) {
   x = x < -150.f ? -150.f : x;
   x = x > 100.f ? 100.f : x;
-  const float magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer */
-  const float t = x * 1.44269504088896341f + magic;
-  const float n = t - magic;
-  const int32_t ni = (int32_t)(fo_f32_bits(t) - fo_f32_bits(magic));
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f; /* ln2 in two parts */
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  FO_EXP_STEPS(float, x, t, n, p);
+  const int32_t ni = (int32_t)(fo_f32_bits(t) - fo_f32_bits(FO_EXP_MAGIC));
   const int32_t half = ni >> 1;
   const float s1 = fo_bits_f32((uint32_t)(half + 127) << 23);
   const float s2 = fo_bits_f32((uint32_t)(ni - half + 127) << 23);
+  return p * s1 * s2;
+}
+
+/* fo_expf of each lane, in vector operations (the same steps, so the same
+ * value a lane), where a loop calling fo_expf lane by lane compiled to
+ * scalar code at x86-64-v3 (xent_cpu.c's exponentials: 480 scalar
+ * instructions in that copy, and 0.2-0.6x eager's cross-entropy on an AVX2
+ * CPU; docs/perf-notes.md). The clamps are selects: a NaN lane compares
+ * false and passes through, as in fo_expf. */
+static inline fo_vf fo_vexpf(fo_vf x) {
+  const fo_vi lo = x < -150.f, hi = x > 100.f;
+  x = (fo_vf)(((fo_vi)x & ~lo) | ((fo_vi)((fo_vf){0} - 150.f) & lo));
+  x = (fo_vf)(((fo_vi)x & ~hi) | ((fo_vi)((fo_vf){0} + 100.f) & hi));
+  FO_EXP_STEPS(fo_vf, x, t, n, p);
+  const fo_vi ni = (fo_vi)t - (int32_t)fo_f32_bits(FO_EXP_MAGIC);
+  const fo_vi half = ni >> 1;
+  const fo_vf s1 = (fo_vf)((half + 127) << 23);
+  const fo_vf s2 = (fo_vf)((ni - half + 127) << 23);
   return p * s1 * s2;
 }

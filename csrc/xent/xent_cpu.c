@@ -22,12 +22,6 @@ FO_INLINE fo_vf block_at(fo_dtype t, const char *row, int64_t j, int64_t n, floa
   return (fo_vf)(((fo_vi)v & in) | ((fo_vi)((fo_vf){0} + pad) & ~in));
 }
 
-FO_INLINE fo_vf vexp(fo_vf x) {
-  fo_vf e;
-  for (int k = 0; k < FO_VL; ++k) e[k] = fo_expf(x[k]);
-  return e;
-}
-
 /* log sum exp of row r: the max first (a vector select: a scalar
  * x > m ? x : m loop does not vectorise, it is not a max for NaN), then the
  * exponentials summed in FO_VL partial sums (a running sum over 32000
@@ -52,7 +46,7 @@ FO_INLINE float row_lse(fo_dtype t, const char *row, int64_t n) {
   if (any_nan || m == INFINITY) return NAN;
   if (m == -INFINITY) return m;
   fo_vf s = {0};
-  for (int64_t j = 0; j < n; j += FO_VL) s += vexp(block_at(t, row, j, n, -INFINITY) - m);
+  for (int64_t j = 0; j < n; j += FO_VL) s += fo_vexpf(block_at(t, row, j, n, -INFINITY) - m);
   float sum = 0.0f;
   for (int k = 0; k < FO_VL; ++k) sum += s[k];
   return m + logf(sum);
@@ -82,7 +76,7 @@ static void bwd_row(const fo_xent_params *p, int64_t r) {
   const char *row = row_at(p, r);
   char *out = (char *)p->dlogits + (size_t)(r * n) * (size_t)es;
   for (int64_t j = 0; j < n; j += FO_VL) {
-    fo_vf d = g * vexp(block_at(dt, row, j, n, 0.0f) - lse);
+    fo_vf d = g * fo_vexpf(block_at(dt, row, j, n, 0.0f) - lse);
     if (t >= j && t < j + FO_VL) d[t - j] -= g;
     if (j + FO_VL <= n) fo_vstore(dt, out + j * es, d);
     else fo_vstore_n(dt, out + j * es, d, (int)(n - j));
