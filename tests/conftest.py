@@ -10,12 +10,15 @@ import torch.utils.deterministic
 
 import fusedops  # noqa: F401  (registers torch.ops.fusedops.*)
 
-HAS_CUDA = torch.cuda.is_available()
+# CUDA tests need a GPU and a build with CUDA kernels: a CPU-only build
+# (FUSEDOPS_CUDA=0) on a GPU machine skips them rather than failing each with
+# "Could not run 'fusedops::...' with arguments from the 'CUDA' backend".
+HAS_CUDA = torch.cuda.is_available() and fusedops.build_info()["cuda"]
 
-# The devices present: CPU always, CUDA when a GPU is.
+# The devices present: CPU always, CUDA when a GPU is (and the build has it).
 devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build of fusedops")
 
 # The x86-64 level the CPU kernels run at (csrc/common/dtype_cpu.c: 0, 3, 4, or
 # 5 = 4 with AVX512-BF16), read and set through the extension's C entry points.
