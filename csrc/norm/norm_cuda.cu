@@ -2425,8 +2425,9 @@ extern "C" const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *strea
   const int target = target_values(16 * v16 / 8), max_values = std::min(kFwdMaxValues * v16 / 8, kFwdMaxChunks * vec);
   // 8 values a thread (one chunk of 16-bit x) where that team has at most
   // 512 threads, else 16: 0.92 of the copy against 0.90-0.91 at 256-2048
-  // wide, 0.91 against 0.88 at 4096; 1024-thread teams measured 0.69 against
-  // 0.86 at 8192.
+  // wide, 0.91 against 0.88 at 4096 (an H100); 1024-thread teams measured
+  // 0.69 against 0.86 at 8192. LayerNorm's teams of 256-512 threads take 16
+  // on GPUs of more bandwidth an SM (ln_sixteen).
   Shape c = choose(p->cols, vec, target_values(8), max_values, max_threads);
   if (c.nv == 0 || c.team > kFwdNarrowTeam || ln_sixteen(p, c, device))
     c = choose(p->cols, vec, target, max_values, max_threads);
