@@ -2158,19 +2158,25 @@ int small_l1() {
   return n;
 }
 
+// Whether the device's SMs have more memory bandwidth each than an H100's
+// (25 GB/s an SM): over 30, as an H200's (36). The plans that differ there
+// (narrow_block_rows, ln_sixteen) key on this one test; no GPU between the
+// two was measured, so 30 is a guess between two points.
+bool bandwidth_rich_sms(int device) { return mem_gbps_per_sm(device) > 30; }
+
 // Rows a block (one a warp) of the forward without statistics at 256 and 512
 // wide: 1, as Inductor runs these rows, or 2 on a GPU whose SMs have more
 // than 30 GB/s of memory bandwidth each. On an H200 (36 GB/s an SM) blocks of
 // one warp read 0.82 (256 wide) and 0.96-0.97 (512) of torch.compile's
 // forward, and blocks of two warps 0.99-1.01; four or eight warps, or two
 // rows a warp, did no better. On an H100 (25 GB/s an SM) blocks of two or four
-// warps cost 0.3-0.8 % there (docs/perf-notes.md, v31). No GPU between the
-// two was measured. FUSEDOPS_NORM_NARROW_BLOCK=1|2 overrides it, for tuning
-// and for the tests.
+// warps cost 0.3-0.8 % there (docs/perf-notes.md, v31); bandwidth_rich_sms
+// decides. FUSEDOPS_NORM_NARROW_BLOCK=1|2 overrides it, for tuning and for
+// the tests.
 int narrow_block_rows(int cols, int device) {
   static const int forced = env_int("FUSEDOPS_NORM_NARROW_BLOCK", 1, 2, 0);
   if (cols != 256 && cols != 512) return 1;
-  return forced ? forced : mem_gbps_per_sm(device) > 30 ? 2 : 1;
+  return forced ? forced : bandwidth_rich_sms(device) ? 2 : 1;
 }
 
 // Whether LayerNorm's forward takes 16 values a thread (two 16-byte chunks,
@@ -2185,7 +2191,7 @@ int narrow_block_rows(int cols, int device) {
 bool ln_sixteen(const fo_norm_fwd_params *p, const Shape &c, int device) {
   static const int mode = env_int("FUSEDOPS_NORM_LN16", 0, 2, 1);
   if (mode == 0 || p->rms || target_values(0) != 0 || c.nv != 1 || c.vec != 8 || c.team < 256) return false;
-  return fo_dtype_size(p->x_dtype) == 2 && (mode == 2 || mem_gbps_per_sm(device) > 30);
+  return fo_dtype_size(p->x_dtype) == 2 && (mode == 2 || bandwidth_rich_sms(device));
 }
 
 // Whether training's narrow forward runs eight rows a block (fwd_narrow's RB
