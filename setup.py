@@ -122,7 +122,10 @@ def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*/*_ops.cpp") + ["csrc/module.c"]
                      + glob.glob("csrc/*/*_cpu.c"))
     cxx = ["-O3", "-std=c++17", "-Wall", *DEFINES]
-    kwargs = dict(py_limited_api=True, extra_link_args=["-fopenmp"])
+    link = ["-fopenmp"]
+    if sys.platform.startswith("linux"):  # export PyInit__C alone (csrc/exports.map)
+        link.append("-Wl,--version-script=" + os.path.join(HERE, "csrc", "exports.map"))
+    kwargs = dict(py_limited_api=True, extra_link_args=link)
     if not WITH_CUDA:
         return cpp_extension.CppExtension("fusedops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
     nvcc = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", *DEFINES]
