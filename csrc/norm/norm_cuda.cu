@@ -225,9 +225,9 @@ __device__ __forceinline__ void load_wb(const fo_norm_fwd_params &p, Pack<W, VEC
 
 // Chunks k of x, and of r where it is not null, into xr[k] and rr[k]: those
 // with col(k) < cols (the register kernels' guard), every load in flight at
-// once.
-template <int VEC, int N, class T, class S, class Col>
-__device__ __forceinline__ void load_chunks(const T *x, const S *r, int64_t cols, Col col, Raw<T, VEC> (&xr)[N],
+// once. I: the kernel's column type (fwd_park's 32-bit columns stay 32-bit).
+template <int VEC, int N, class T, class S, class I, class Col>
+__device__ __forceinline__ void load_chunks(const T *x, const S *r, I cols, Col col, Raw<T, VEC> (&xr)[N],
                                             Raw<S, VEC> (&rr)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {
@@ -687,15 +687,7 @@ __global__ void __launch_bounds__(kParkThreads, 2) fwd_park(const fo_norm_fwd_pa
   }
   cp_async_commit();
   Raw<T, VEC> xr[NR], rr[NR];
-  // load_chunks' loop written out: through the helper fwd_park's SASS changed
-  // (8-16 instructions a kernel, not measured), fwd_regs' and fwd_shift's did not
-#pragma unroll
-  for (int k = 0; k < NR; ++k) {
-    if (col(k) < cols) {
-      xr[k] = load_raw<VEC>(x + col(k));
-      if (r) rr[k] = load_raw<VEC>(r + col(k));
-    }
-  }
+  load_chunks(x, r, cols, col, xr, rr);
   // s = x + residual as stored; the statistics are those of the rounded stream.
   float sum[1] = {0.f};  // LayerNorm: the sum; RMSNorm: the sum of squares
   auto add = [&](const Raw<T, VEC> &xw, const Raw<T, VEC> &rw, int c) {
