@@ -418,6 +418,26 @@ def test_wide_rows_cuda(c):
     check_twice(c, "cuda")
 
 
+# LayerNorm of rows whose mean is far from zero against their spread, where a
+# variance taken as the mean square less the squared mean would lose its
+# digits (fp32 at 1000 + N(0, 2): 0.3 % of each square's bits are the
+# deviation). On CUDA rows past 32K bf16 values (16K fp32 or fp16) split over
+# a cluster (fwd_pipe): each block takes its slice's mean, and the row's
+# deviations are the slices' combined (ClusterSum::moments). 40000 bf16: four
+# whole slices of 8192 and one part full; 65536: whole slices, fp32 sixteen
+# of 4096; 1000: a row no cluster splits.
+OFFSET_CASES = [ln((7, 40000), torch.bfloat16), ln((5, 65536), torch.bfloat16), ln((3, 65536), torch.float32),
+                ln((33, 20000), torch.float16, residual="fp32"), ln((9, 1000), torch.float32)]
+OFFSETS = {torch.bfloat16: 128.0, torch.float16: 1000.0, torch.float32: 1000.0}  # whole ulps of 1 or less
+
+
+@pytest.mark.parametrize("c", OFFSET_CASES, ids=ids(OFFSET_CASES))
+def test_rows_with_a_large_mean(device, c):
+    inp = make_inputs(c, device)
+    inp["x"] = (inp["x"].float() + OFFSETS[c.dtype]).to(c.dtype)
+    check_against_reference(c, inp, forward_backward(c, inp, poison=True))
+
+
 @requires_cuda
 @pytest.mark.parametrize("rms_", [False, True])
 def test_pipe_rows_without_ds_cuda(rms_):

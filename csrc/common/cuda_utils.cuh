@@ -421,6 +421,41 @@ struct ClusterSum {
   // added in rank order by an xor butterfly: the same bits on every thread of
   // every block. e: the exchange's number, counted from 0 by every block.
   __device__ __forceinline__ void sum(float (&v)[K], int e) {
+    const int b = send_wait(v, e), lane = threadIdx.x & 31, n = cluster_size();
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = lane < n ? slot[b][lane][k] : 0.f;
+    warp_sum(v);
+  }
+
+  // A row's first two moments from slices of `span` values a block (rank r
+  // holds columns [r * span, (r + 1) * span) of `cols`; some may hold none).
+  // v: this block's (sum, squared deviations from its own slice's mean), the
+  // same on every thread; on return the row's (sum, squared deviations from
+  // the row's mean), by the pairwise combination of Chan, Golub and LeVeque:
+  // the slices' squared deviations plus each slice's count times its mean's
+  // squared distance from the row's. One exchange where the sum and then the
+  // deviations from the row's mean took two, and no cancellation (the row's
+  // sum of squares less its squared sum would lose what a large mean hides).
+  // The same bits on every thread of every block, as sum().
+  __device__ __forceinline__ void moments(float (&v)[K], int e, int64_t cols, int span) {
+    static_assert(K == 2, "a sum and a sum of squared deviations");
+    const int b = send_wait(v, e), lane = threadIdx.x & 31, n = cluster_size();
+    const int64_t left = cols - (int64_t)lane * span;
+    const float count = lane < n && left > 0 ? (float)(left < span ? left : span) : 0.f;
+    const float part = count > 0.f ? slot[b][lane][0] : 0.f;
+    float total[1] = {part};
+    warp_sum(total);
+    const float mean = total[0] / (float)cols, d = count > 0.f ? part / count - mean : 0.f;
+    float sq[1] = {count > 0.f ? slot[b][lane][1] + count * d * d : 0.f};
+    warp_sum(sq);
+    v[0] = total[0];
+    v[1] = sq[0];
+  }
+
+ private:
+  // Exchange e: v to this block's slot in every block of the cluster; returns
+  // the buffer once every block's values have arrived here.
+  __device__ __forceinline__ int send_wait(const float (&v)[K], int e) {
 #if __CUDA_ARCH__ >= 900
     const int b = e % NBUF, n = cluster_size();
     const uint32_t phase = (uint32_t)(e / NBUF) & 1u;
@@ -442,15 +477,12 @@ struct ClusterSum {
       }
     }
     mbar_wait(&bar[b], phase);
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = lane < n ? slot[b][lane][k] : 0.f;
-    warp_sum(v);
+    return b;
 #else
     __trap();
+    return 0;
 #endif
   }
-
 };
 static_assert(sizeof(uint64_t) == 8, "mbarrier is 8 bytes");
 

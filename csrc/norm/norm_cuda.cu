@@ -775,9 +775,11 @@ template <class T, class S, class W, int VEC, bool CL>
 __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_params p, int stages) {
   constexpr int NV = kPipeChunks;
   __shared__ float red[2][32];
-  __shared__ ClusterSum<1, 2> xsum;  // with CL: exchanges alternate sum, squares
+  __shared__ ClusterSum<1, 2> xsum;  // with CL, RMSNorm: the sum of squares
+  __shared__ ClusterSum<2, 2> xmom;  // with CL, LayerNorm: the slices' moments
   if (CL) {
     xsum.init();
+    xmom.init();
     cluster_arrive();
   }
   extern __shared__ float4 smem[];
@@ -838,12 +840,20 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
     float mean = 0.f;
     if (!p.rms) {
       team_sum<true>(sum, team, red[0]);
-      if (CL) xsum.sum(sum, exchange++);
-      mean = sum[0] / (float)cols;
+      // With CL, the block's own mean: its slice's deviations need no
+      // exchange first, and xmom.moments takes both sums at once.
+      const int64_t left = cols - at.first_col, mine = CL && left > span ? span : left;
+      mean = mine > 0 ? sum[0] / (float)mine : 0.f;
     }
     float sq[1] = {sq_dev<VEC>(v, mean, cols, col)};
     team_sum<true>(sq, team, red[1]);
-    if (CL) xsum.sum(sq, exchange++);
+    if (CL && p.rms) xsum.sum(sq, exchange++);
+    if (CL && !p.rms) {
+      float m[2] = {sum[0], sq[0]};
+      xmom.moments(m, exchange++, cols, span);
+      mean = m[0] / (float)cols;
+      sq[0] = m[1];
+    }
     const float rstd = rsqrtf(sq[0] / (float)cols + p.eps);
     write_y<T>(p, v, w, b, mean, rstd, row, col, tid == 0 && (!CL || cluster_rank() == 0));
     st = at.next(st, stages);
