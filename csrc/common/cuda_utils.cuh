@@ -389,14 +389,15 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-// Sums of K floats over the blocks of a cluster, passed by asynchronous
+// Sums of K floats over the blocks of a cluster (or, with moments(), a row's
+// sum and squared deviations from its slices'), passed by asynchronous
 // stores into every block's shared memory (st.async), each completing on the
 // receiver's mbarrier, so that no block waits on a barrier of the whole
 // cluster, nor for its global stores to drain, per exchange. NBUF exchanges
 // may be under way at once, each in its own buffer and mbarrier; exchange e
 // uses buffer e % NBUF. Protocol: init() by every thread at the start, then
-// cluster_arrive(), and cluster_wait() before the first sum(); every block
-// makes the same sequence of sum() calls; cluster_arrive() + cluster_wait()
+// cluster_arrive(), and cluster_wait() before the first exchange; every block
+// makes the same sequence of sum() / moments() calls; cluster_arrive() + cluster_wait()
 // before exit (no block may leave while a store to it is under way). Reuse
 // of a buffer is safe when, between two exchanges of the same buffer, the
 // block's threads meet at a block barrier (every caller's row reduction has
