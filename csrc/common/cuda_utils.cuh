@@ -389,6 +389,14 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
+// The values of a row of `cols` that slice `rank` holds, where slices of
+// `span` values split it in rank order: [rank * span, (rank + 1) * span)
+// within [0, cols), so 0 for a slice past the row's end.
+__device__ __forceinline__ int64_t slice_count(int64_t cols, int rank, int span) {
+  const int64_t left = cols - (int64_t)rank * span;
+  return left <= 0 ? 0 : left < span ? left : span;
+}
+
 // Sums of K floats over the blocks of a cluster (or, with moments(), a row's
 // sum and squared deviations from its slices'), passed by asynchronous
 // stores into every block's shared memory (st.async), each completing on the
@@ -441,8 +449,7 @@ struct ClusterSum {
   __device__ __forceinline__ void moments(float (&v)[K], int e, int64_t cols, int span) {
     static_assert(K == 2, "a sum and a sum of squared deviations");
     const int b = send_wait(v, e), lane = threadIdx.x & 31, n = cluster_size();
-    const int64_t left = cols - (int64_t)lane * span;
-    const float count = lane < n && left > 0 ? (float)(left < span ? left : span) : 0.f;
+    const float count = lane < n ? (float)slice_count(cols, lane, span) : 0.f;
     const float part = count > 0.f ? slot[b][lane][0] : 0.f;
     float total[1] = {part};
     warp_sum(total);

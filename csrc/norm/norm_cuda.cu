@@ -811,7 +811,11 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
   Pack<W, VEC> w[NV], b[NV];  // the same in every row
   load_wb(p, w, b, col);
   if (CL) cluster_wait();  // every block's mbarriers are ready
-  int st = 0, exchange = 0;
+  // With CL, LayerNorm takes the block's own mean (its `mine` values): its
+  // slice's deviations need no exchange first, and xmom.moments takes both
+  // sums at once.
+  const int64_t mine = CL ? slice_count(cols, cluster_rank(), span) : cols;
+  int st = 0, exchange = 0, parity = 0;  // parity: the red slice of the next team_sum
   for (int64_t row = unit; row < p.rows; row += row_step) {
     fetch(row + (stages - 1) * row_step, at.prev(st, stages));
     cp_async_wait_for(stages - 1);
@@ -839,14 +843,13 @@ __global__ void __launch_bounds__(kPipeThreads) fwd_pipe(const fo_norm_fwd_param
     }
     float mean = 0.f;
     if (!p.rms) {
-      team_sum<true>(sum, team, red[0]);
-      // With CL, the block's own mean: its slice's deviations need no
-      // exchange first, and xmom.moments takes both sums at once.
-      const int64_t left = cols - at.first_col, mine = CL && left > span ? span : left;
+      team_sum<true>(sum, team, red[parity]);
+      parity ^= 1;
       mean = mine > 0 ? sum[0] / (float)mine : 0.f;
     }
     float sq[1] = {sq_dev<VEC>(v, mean, cols, col)};
-    team_sum<true>(sq, team, red[1]);
+    team_sum<true>(sq, team, red[parity]);
+    parity ^= 1;
     if (CL && p.rms) xsum.sum(sq, exchange++);
     if (CL && !p.rms) {
       float m[2] = {sum[0], sq[0]};
