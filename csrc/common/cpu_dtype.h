@@ -118,6 +118,10 @@ typedef uint16_t fo_vh_at __attribute__((vector_size(2 * FO_VL), aligned(2), may
 FO_INLINE fo_vu fo_mask_gt(fo_vu a, uint32_t c) { return (fo_vu)((fo_vi)(c - a) >> 31); }
 FO_INLINE fo_vu fo_mask_lt(fo_vu a, uint32_t c) { return (fo_vu)((fo_vi)(a - c) >> 31); }
 
+/* mask ? a : b, lane by lane (mask: all ones or all zeros a lane, as a
+ * vector comparison gives; C has no ?: on vectors). */
+FO_INLINE fo_vf fo_vselect(fo_vi mask, fo_vf a, fo_vf b) { return (fo_vf)(((fo_vi)a & mask) | ((fo_vi)b & ~mask)); }
+
 /* All ones in the lanes below m (0 <= m <= FO_VL), zeros from m on. */
 FO_INLINE fo_vu fo_mask_first(int m) {
   fo_vu lane;

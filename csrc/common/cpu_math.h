@@ -45,8 +45,8 @@ static inline float fo_expf(float x) {
  * false and passes through, as in fo_expf. */
 static inline fo_vf fo_vexpf(fo_vf x) {
   const fo_vi lo = x < -150.f, hi = x > 100.f;
-  x = (fo_vf)(((fo_vi)x & ~lo) | ((fo_vi)((fo_vf){0} - 150.f) & lo));
-  x = (fo_vf)(((fo_vi)x & ~hi) | ((fo_vi)((fo_vf){0} + 100.f) & hi));
+  x = fo_vselect(lo, (fo_vf){0} - 150.f, x);
+  x = fo_vselect(hi, (fo_vf){0} + 100.f, x);
   FO_EXP_STEPS(fo_vf, x, t, n, p);
   const fo_vi ni = (fo_vi)t - (int32_t)fo_f32_bits(FO_EXP_MAGIC);
   const fo_vi half = ni >> 1;

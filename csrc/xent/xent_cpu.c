@@ -18,8 +18,7 @@ FO_INLINE fo_vf block_at(fo_dtype t, const char *row, int64_t j, int64_t n, floa
   const int es = fo_dtype_size(t);
   if (j + FO_VL <= n) return fo_vload(t, row + j * es);
   const fo_vf v = fo_vload_n(t, row + j * es, (int)(n - j));
-  const fo_vi in = (fo_vi)fo_mask_first((int)(n - j)); /* lane k: column j + k of the row */
-  return (fo_vf)(((fo_vi)v & in) | ((fo_vi)((fo_vf){0} + pad) & ~in));
+  return fo_vselect((fo_vi)fo_mask_first((int)(n - j)), v, (fo_vf){0} + pad); /* lane k: column j + k */
 }
 
 /* log sum exp of row r: the max first (a vector select: a scalar
@@ -29,17 +28,17 @@ FO_INLINE fo_vf block_at(fo_dtype t, const char *row, int64_t j, int64_t n, floa
  * all -inf gives -inf: the row's loss is then NaN, as torch's (its
  * log_softmax subtracts an infinite max). */
 FO_INLINE float row_lse(fo_dtype t, const char *row, int64_t n) {
-  fo_vi mv = (fo_vi)((fo_vf){0} - INFINITY), nan = {0};
+  fo_vf mv = (fo_vf){0} - INFINITY;
+  fo_vi nan = {0};
   for (int64_t j = 0; j < n; j += FO_VL) {
     const fo_vf v = block_at(t, row, j, n, -INFINITY);
-    const fo_vi gt = v > (fo_vf)mv;
-    mv = ((fo_vi)v & gt) | (mv & ~gt);
+    mv = fo_vselect(v > mv, v, mv);
     nan |= v != v;
   }
   float m = -INFINITY;
   int any_nan = 0;
   for (int k = 0; k < FO_VL; ++k) {
-    const float c = ((fo_vf)mv)[k];
+    const float c = mv[k];
     m = c > m ? c : m;
     any_nan |= nan[k];
   }
