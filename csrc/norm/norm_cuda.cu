@@ -2114,6 +2114,12 @@ bool shift_early(int nv) {
   return on && nv == 1;
 }
 
+// Whether the device's SMs have more memory bandwidth each than an H100's
+// (25 GB/s an SM): over 30, as an H200's (36). The plans that differ there
+// (launch_park, narrow_block_rows, ln_sixteen) key on this one test; no GPU
+// between the two was measured, so 30 is a guess between two points.
+bool bandwidth_rich_sms(int device) { return mem_gbps_per_sm(device) > 30; }
+
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
 // (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
 // holds. FUSEDOPS_NORM_PARK overrides it, for tuning and for the tests.
@@ -2140,6 +2146,10 @@ bool park_fwd(const fo_norm_fwd_params *p, bool vec_ok) {
 // fwd_regs' 1024-thread teams (bf16) the rows must also be at most two waves:
 // +0.2 to +10 % at 256-512 rows of 16K-32K, where fwd_regs keeps one row an SM;
 // at 2112 and 4096 rows fwd_regs ran 1.5-3 % faster (docs/perf-notes.md, v13).
+// RMSNorm on a GPU of more bandwidth an SM (bandwidth_rich_sms) takes one
+// wave at most: on an H200 fwd_regs read 2-2.5 % faster at 512 rows of 24K
+// and 32K (two waves of fwd_park), fwd_park 5 % faster at 256 rows of 32K
+// (one wave); LayerNorm, two block reductions a row, keeps the rule (v40).
 template <class T, class W>
 bool launch_park(const fo_norm_fwd_params *p, bool over_regs, int device, cudaStream_t st) {
   auto *k = fwd_park<T, W>;
@@ -2149,7 +2159,8 @@ bool launch_park(const fo_norm_fwd_params *p, bool over_regs, int device, cudaSt
   if (park_mode() == 1) {
     const int64_t slots = (int64_t)sm_count(device) * blocks_per_sm(k, team, smem);
     const int64_t waves = (p->rows + slots - 1) / slots;
-    if (p->rows * 10 < waves * slots * 9 || (over_regs && waves > 2)) return false;
+    const int64_t most_waves = p->rms && bandwidth_rich_sms(device) ? 1 : 2;
+    if (p->rows * 10 < waves * slots * 9 || (over_regs && waves > most_waves)) return false;
   }
   k<<<(unsigned)p->rows, team, smem, st>>>(*p);
   return true;
@@ -2162,12 +2173,6 @@ int small_l1() {
   static const int n = env_int("FUSEDOPS_NORM_SMALL_L1", 0, 1, 1);
   return n;
 }
-
-// Whether the device's SMs have more memory bandwidth each than an H100's
-// (25 GB/s an SM): over 30, as an H200's (36). The plans that differ there
-// (narrow_block_rows, ln_sixteen) key on this one test; no GPU between the
-// two was measured, so 30 is a guess between two points.
-bool bandwidth_rich_sms(int device) { return mem_gbps_per_sm(device) > 30; }
 
 // Rows a block (one a warp) of the forward without statistics at 256 and 512
 // wide: 1, as Inductor runs these rows, or 2 on a GPU whose SMs have more
