@@ -232,7 +232,10 @@ WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000
               # weight and bias, no residual
               ln((257, 32768), torch.bfloat16), rms((33, 32768), torch.float16),
               ln((129, 16392), torch.bfloat16, param="fp32"), rms((70, 30000), torch.bfloat16, residual="none"),
-              ln((5, 32768), torch.float16, bias=False, param="fp32")]
+              ln((5, 32768), torch.float16, bias=False, param="fp32"),
+              # two waves of fwd_park's blocks: fwd_park by default on an H100,
+              # RMSNorm's fwd_regs on an H200 (launch_park)
+              rms((520, 32768), torch.bfloat16)]
 
 
 # Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
