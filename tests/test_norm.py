@@ -471,6 +471,19 @@ def _tests_with_env(env, select):
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
 
+@pytest.mark.parametrize("env", ["FUSEDOPS_CPU_STREAM=2", "FUSEDOPS_CPU_STREAM=2 FUSEDOPS_CPU_ISA=3"])
+def test_streaming_stores_cpu(env):
+    """The CPU forward and backward of fp32 rows in a call that moves 32 MiB
+    or more (fo_cpu_stream) store y and dx past the caches (aligned whole
+    blocks; the rest plainly) and prefetch each next row; no test shape is
+    that large, so FUSEDOPS_CPU_STREAM=2 takes that path on every fp32 call:
+    at the CPU's level (64-byte blocks on AVX-512) and at v3 (32). Odd widths
+    and slices give misaligned rows."""
+    _tests_with_env(env, "cpu and (test_dtypes or test_shapes or test_noncontiguous or test_s_is_eager_sum or "
+                         "test_poisoned_outputs or test_deterministic or test_raw_forward_outputs or "
+                         "test_large_mean or test_narrow_rows or test_half_aligned or test_small_chunk)")
+
+
 @requires_cuda
 @pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
                                  "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",

@@ -275,6 +275,42 @@ FO_INLINE fo_vf fo_vstore_keep_n(fo_dtype t, void *dst, fo_vf v, int m) {
   return fo_widen(t, h);
 }
 
+/* ---- streaming stores --------------------------------------------------------
+ * fo_vstream is fo_vstore of an fp32 block past the caches (a non-temporal
+ * store): its line is not read from memory first and evicts nothing the
+ * kernel reads again. Kernels use it for an output they never read back, in
+ * calls that move too many bytes for the output to stay cached for its reader
+ * anyway (fo_cpu_stream). At the baseline level, and where dst is not aligned
+ * to the block's bytes, a plain store. (16-bit blocks, half a register, were
+ * not faster streamed: docs/perf-notes.md, CPU v6.) The stores are weakly
+ * ordered: each thread calls fo_stream_fence after its last. */
+FO_INLINE void fo_vstream_f32(float *dst, fo_vf v) {
+#if FO_LEVEL >= 3
+  if (((uintptr_t)dst & (4 * FO_VL - 1)) == 0) {
+#if FO_LEVEL >= 4
+    _mm512_stream_ps(dst, (__m512)v);
+#else
+    _mm256_stream_ps(dst, (__m256)v);
+#endif
+    return;
+  }
+#endif
+  *(fo_vf_at *)dst = v;
+}
+
+FO_INLINE void fo_stream_fence(void) {
+#if FO_LEVEL >= 3
+  _mm_sfence();
+#endif
+}
+
+/* Whether a call that moves `bytes` (inputs read and outputs written, once
+ * each) stores its write-once fp32 outputs with fo_vstream_f32: from FO_STREAM_MIB MiB
+ * on, or as FUSEDOPS_CPU_STREAM says (0: never, 2: always; for tuning and the
+ * tests). One copy for the library (dtype_cpu.c). */
+enum { FO_STREAM_MIB = 32 };
+int fo_cpu_stream(int64_t bytes);
+
 /* ---- rows ------------------------------------------------------------------ */
 /* out[j] = (float)in[j] for n elements of dtype t. */
 FO_INLINE void fo_load_row(fo_dtype t, const void *in, float *out, int64_t n) {

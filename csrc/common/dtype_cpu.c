@@ -37,6 +37,19 @@ int fo_cpu_isa(void) {
   return l;
 }
 
+static int stream_mode = -1; /* FUSEDOPS_CPU_STREAM: 0, 1 (the default) or 2 */
+
+int fo_cpu_stream(int64_t bytes) {
+  int m = __atomic_load_n(&stream_mode, __ATOMIC_RELAXED);
+  if (m < 0) {
+    const char *env = getenv("FUSEDOPS_CPU_STREAM");
+    m = env && *env ? atoi(env) : 1;
+    m = m < 0 ? 0 : m > 2 ? 2 : m;
+    __atomic_store_n(&stream_mode, m, __ATOMIC_RELAXED);
+  }
+  return m == 2 || (m == 1 && bytes >= ((int64_t)FO_STREAM_MIB << 20));
+}
+
 /* Runs the kernels at min(cap, what the CPU supports) from now on (not while
  * a kernel runs); returns the level in effect. */
 int fo_cpu_set_isa(int cap) {

@@ -68,27 +68,43 @@ FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo
 }
 
 /* Pass 3's weight and bias (NULL: none) of dtype t: fp32 copies padded to
- * whole blocks, or the 16-bit tensors themselves (fo_norm_fwd_cpu says when). */
+ * whole blocks, or the 16-bit tensors themselves (fo_norm_fwd_cpu says when);
+ * stream: fp32 x in a call too large for its rows to stay cached
+ * (fo_cpu_stream): pass 3 stores y past the caches and prefetches the next
+ * row's x and residual, so that memory stays busy while the row's later
+ * passes run from L1 (the backward likewise with dx). 16-bit rows, whose
+ * passes take longer than their bytes, gained nothing forward and lost
+ * 4-10 % backward (docs/perf-notes.md, CPU v6). */
 typedef struct affine {
   const void *w, *b;
   fo_dtype t;
+  int stream;
 } affine;
 
 /* Pass 3 for the block at column j: y = (s - mean) * rstd * w + b, s read back
- * from sr, of dtype t; w and b of dtype wt. */
+ * from sr, of dtype t; w and b of dtype wt; a whole block of fp32 y through
+ * fo_vstream_f32 when a->stream. */
 FO_INLINE void fwd_block_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t j, int len,
                            const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
   const int ws = fo_dtype_size(wt);
   fo_vf v = (fo_vload_n(t, sr + j * fo_dtype_size(t), len) - mean) * rstd;
   if (a->w) v *= fo_vload_n(wt, (const char *)a->w + j * ws, len);
   if (a->b) v += fo_vload_n(wt, (const char *)a->b + j * ws, len);
-  fo_vstore_n(xt, y + j * fo_dtype_size(xt), v, len);
+  if (xt == FO_F32 && len == FO_VL && a->stream) fo_vstream_f32((float *)y + j, v);
+  else fo_vstore_n(xt, y + j * fo_dtype_size(xt), v, len);
 }
 
+/* Pass 3 over the row; nx, nr: the next row's x and residual, prefetched a
+ * block at a time (NULL: not). */
 FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rstd, char *y, int64_t n,
-                          const fo_dtype t, const fo_dtype xt, const fo_dtype wt) {
+                          const fo_dtype t, const fo_dtype xt, const fo_dtype wt, const char *nx, const char *nr,
+                          const fo_dtype st) {
   int64_t j = 0;
-  for (; j + FO_VL <= n; j += FO_VL) fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, t, xt, wt);
+  for (; j + FO_VL <= n; j += FO_VL) {
+    if (nx) __builtin_prefetch(nx + j * fo_dtype_size(xt), 0, 3);
+    if (nr) __builtin_prefetch(nr + j * fo_dtype_size(st), 0, 3);
+    fwd_block_y(sr, a, mean, rstd, y, j, FO_VL, t, xt, wt);
+  }
   if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), t, xt, wt);
 }
 
@@ -108,7 +124,7 @@ FO_INLINE void fwd_block_dev(const char *sr, float mean, fo_vf *dev, fo_vf *sq, 
  * again costs a conversion; keeping s in fp32 scratch instead cost cache: at
  * 4096 columns the scratch, w and b (48 KB) no longer fit L1. */
 FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, float sum, const affine *a, char *y,
-                        const fo_dtype t, const fo_dtype xt) {
+                        const fo_dtype t, const fo_dtype xt, const char *nx, const char *nr, const fo_dtype st) {
   const int64_t n = p->cols;
   float mean = 0.0f, var = 0.0f;
   int64_t j;
@@ -131,9 +147,9 @@ FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, 
     var = fmaxf(fo_sum_lanes(sq) - d * d / (float)n, 0.0f) / (float)n;
   }
   const float rstd = 1.0f / sqrtf(var + p->eps);
-  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F32);
-  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_BF16);
-  else fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F16);
+  if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F32, nx, nr, st);
+  else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_BF16, nx, nr, st);
+  else fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F16, nx, nr, st);
   if (p->mean) p->mean[r] = mean;
   if (p->rstd) p->rstd[r] = rstd;
 }
@@ -154,8 +170,11 @@ FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a
   for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
     acc[k] = fwd_block_s(rms, x, res, s, acc[k], j, fo_tail_len(n, j), xt, st);
   const float sum = fo_sum_lanes(acc);
-  if (s) fwd_rest(p, r, s, sum, a, y, st, xt);
-  else fwd_rest(p, r, x, sum, a, y, xt, xt);
+  const int pf = a->stream && r + 1 < p->rows;
+  const char *nx = pf ? row_ptr(p->x, xt, r + 1, p->x_stride) : NULL;
+  const char *nr = pf && res ? row_ptr(p->residual, st, r + 1, p->res_stride) : NULL;
+  if (s) fwd_rest(p, r, s, sum, a, y, st, xt, nx, nr, st);
+  else fwd_rest(p, r, x, sum, a, y, xt, xt, nx, nr, st);
 }
 
 static void fwd_row(const fo_norm_fwd_params *p, int64_t r, const affine *a) {
@@ -174,7 +193,9 @@ enum { NARROW_COLS = 3072 };
 const char *FO_FN(fo_norm_fwd_cpu)(const fo_norm_fwd_params *p) {
   const int64_t n = p->cols;
   float *w = NULL, *b = NULL;
-  affine a = {p->weight, p->bias, p->w_dtype};
+  /* x, residual, y and s: bytes moved */
+  const int64_t moved = p->rows * n * (2 * fo_dtype_size(p->x_dtype) + 2 * fo_dtype_size(p->s_dtype));
+  affine a = {p->weight, p->bias, p->w_dtype, p->x_dtype == FO_F32 && fo_cpu_stream(moved)};
   if (p->w_dtype == FO_F32 || n < NARROW_COLS) {
     w = param_f32(p->weight, p->w_dtype, n, 1.0f);
     b = p->bias ? param_f32(p->bias, p->w_dtype, n, 0.0f) : NULL;
@@ -183,10 +204,14 @@ const char *FO_FN(fo_norm_fwd_cpu)(const fo_norm_fwd_params *p) {
       free(w);
       return FO_CPU_OOM;
     }
-    a = (affine){w, b, FO_F32};
+    a = (affine){w, b, FO_F32, a.stream};
   }
-#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * n))
-  for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
+#pragma omp parallel if (fo_parallel(p->rows, p->rows * n))
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r, &a);
+    if (a.stream) fo_stream_fence();
+  }
   free(b);
   free(w);
   return NULL;
@@ -239,24 +264,41 @@ FO_INLINE void bwd_block_sums(const bwd_row_in *in, const float *w, float *pw, f
   }
 }
 
-/* Pass 2: dx = rstd * (g - mean_g - xhat * mean_gx) + ds. */
-FO_INLINE void bwd_block_dx(const bwd_row_in *in, const float *w, float mean_g, float mean_gx, char *dx,
-                            int64_t j, int len, const fo_dtype xt, const fo_dtype st) {
+/* Pass 2: dx = rstd * (g - mean_g - xhat * mean_gx) + ds; with next (the
+ * next row's inputs, or NULL), a whole block of fp32 dx stored past the
+ * caches and the next row's block prefetched (fwd_pass_y). */
+FO_INLINE void bwd_block_dx(const bwd_row_in *in, const bwd_row_in *next, const float *w, float mean_g,
+                            float mean_gx, char *dx, int64_t j, int len, const fo_dtype xt, const fo_dtype st) {
   const int ss = fo_dtype_size(st);
   fo_vf dy, xh, g;
   bwd_load(in, w, j, len, &dy, &xh, &g, xt, st);
   fo_vf v = in->rstd * (g - mean_g - xh * mean_gx);
   if (in->ds) v += fo_vload_n(st, in->ds + j * ss, len);
-  fo_vstore_n(st, dx + j * ss, v, len);
+  if (st == FO_F32 && next && len == FO_VL) {
+    __builtin_prefetch(next->s + j * ss, 0, 3);
+    __builtin_prefetch(next->dy + j * fo_dtype_size(xt), 0, 3);
+    if (next->ds) __builtin_prefetch(next->ds + j * ss, 0, 3);
+    fo_vstream_f32((float *)dx + j, v);
+  } else {
+    fo_vstore_n(st, dx + j * ss, v, len);
+  }
 }
 
-/* One row of the backward; pw, pb: this thread's partial rows, or NULL. */
-FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb,
+/* Row r's inputs. */
+FO_INLINE bwd_row_in bwd_inputs(const fo_norm_bwd_params *p, int64_t r, const fo_dtype xt, const fo_dtype st) {
+  return (bwd_row_in){row_ptr(p->s, st, r, p->s_stride), row_ptr(p->dy, xt, r, p->dy_stride),
+                      p->ds ? row_ptr(p->ds, st, r, p->ds_stride) : NULL, p->mean ? p->mean[r] : 0.0f,
+                      p->rstd[r]};
+}
+
+/* One row of the backward; pw, pb: this thread's partial rows, or NULL;
+ * stream: dx stored past the caches, the next row prefetched (fo_cpu_stream). */
+FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb, int stream,
                          const fo_dtype xt, const fo_dtype st) {
   const int64_t n = p->cols;
-  const bwd_row_in in = {row_ptr(p->s, st, r, p->s_stride), row_ptr(p->dy, xt, r, p->dy_stride),
-                         p->ds ? row_ptr(p->ds, st, r, p->ds_stride) : NULL,
-                         p->mean ? p->mean[r] : 0.0f, p->rstd[r]};
+  const bwd_row_in in = bwd_inputs(p, r, xt, st);
+  const int ahead = stream && r + 1 < p->rows;
+  const bwd_row_in next = ahead ? bwd_inputs(p, r + 1, xt, st) : in;
   fo_vf ag[FO_NV] = {{0}}, agx[FO_NV] = {{0}}; /* sums of g, of g * xhat in 16 lanes */
   int64_t j = 0;
   for (; j + FO_STEP <= n; j += FO_STEP)
@@ -266,12 +308,13 @@ FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w,
   const float mean_g = p->rms ? 0.0f : fo_sum_lanes(ag) / (float)n;
   const float mean_gx = fo_sum_lanes(agx) / (float)n;
   char *dx = (char *)p->dx + (size_t)(r * n) * fo_dtype_size(st);
-  for (j = 0; j + FO_VL <= n; j += FO_VL) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, FO_VL, xt, st);
-  if (j < n) bwd_block_dx(&in, w, mean_g, mean_gx, dx, j, (int)(n - j), xt, st);
+  for (j = 0; j + FO_VL <= n; j += FO_VL)
+    bwd_block_dx(&in, ahead ? &next : NULL, w, mean_g, mean_gx, dx, j, FO_VL, xt, st);
+  if (j < n) bwd_block_dx(&in, NULL, w, mean_g, mean_gx, dx, j, (int)(n - j), xt, st);
 }
 
-static void bwd_row(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb) {
-  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, bwd_row_t, p, r, w, pw, pb);
+static void bwd_row(const fo_norm_bwd_params *p, int64_t r, const float *w, float *pw, float *pb, int stream) {
+  WITH_DTYPE_PAIR(p->x_dtype, p->s_dtype, bwd_row_t, p, r, w, pw, pb, stream);
 }
 
 const char *FO_FN(fo_norm_bwd_cpu)(const fo_norm_bwd_params *p) {
@@ -285,6 +328,9 @@ const char *FO_FN(fo_norm_bwd_cpu)(const fo_norm_bwd_params *p) {
     return FO_CPU_OOM;
   }
   int64_t used = 0; /* threads the runtime actually gave: only their partial rows are written */
+  /* dy, s, ds and dx: bytes moved */
+  const int64_t moved = p->rows * n * (fo_dtype_size(p->x_dtype) + 3 * fo_dtype_size(p->s_dtype));
+  const int stream = p->s_dtype == FO_F32 && fo_cpu_stream(moved);
 
 #pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads())) \
     if (fo_parallel(p->rows, p->rows * n))
@@ -299,8 +345,9 @@ const char *FO_FN(fo_norm_bwd_cpu)(const fo_norm_bwd_params *p) {
       pb = p->partial + (p->parts + t) * n;
       for (int64_t j = 0; j < n; ++j) pw[j] = pb[j] = 0.0f;
     }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, w, p->dweight ? pw : NULL, p->dbias ? pb : NULL);
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, w, p->dweight ? pw : NULL, p->dbias ? pb : NULL, stream);
+    if (stream) fo_stream_fence();
   }
   free(w);
 
