@@ -276,7 +276,7 @@ FO_INLINE fo_vf fo_vstore_keep_n(fo_dtype t, void *dst, fo_vf v, int m) {
 }
 
 /* ---- streaming stores --------------------------------------------------------
- * fo_vstream is fo_vstore of an fp32 block past the caches (a non-temporal
+ * fo_vstream_f32 stores an fp32 block past the caches (a non-temporal
  * store): its line is not read from memory first and evicts nothing the
  * kernel reads again. Kernels use it for an output they never read back, in
  * calls that move too many bytes for the output to stay cached for its reader
@@ -305,9 +305,9 @@ FO_INLINE void fo_stream_fence(void) {
 }
 
 /* Whether a call that moves `bytes` (inputs read and outputs written, once
- * each) stores its write-once fp32 outputs with fo_vstream_f32: from FO_STREAM_MIB MiB
- * on, or as FUSEDOPS_CPU_STREAM says (0: never, 2: always; for tuning and the
- * tests). One copy for the library (dtype_cpu.c). */
+ * each) stores its write-once fp32 outputs with fo_vstream_f32: from
+ * FO_STREAM_MIB MiB on, or as FUSEDOPS_CPU_STREAM says (0: never, 2: always;
+ * for tuning and the tests). One copy for the library (dtype_cpu.c). */
 enum { FO_STREAM_MIB = 32 };
 int fo_cpu_stream(int64_t bytes);
 
