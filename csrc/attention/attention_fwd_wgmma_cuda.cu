@@ -24,6 +24,7 @@
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
 // FUSEDOPS_SM90A); for other archs the kernel body is empty, and
 // fo_attn_fwd_cuda takes it only where p->wgmma (a 9.0 GPU, a build with 9.0a) and scale > 0.
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
 #include <stdlib.h>
 
 #include "attention.h"
@@ -212,6 +213,246 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
 #endif
 }
 
+// ---------------------------------------------------------------- warp-specialised (v1)
+// One producer warpgroup and two consumer warpgroups a block. The producer's
+// first thread loads Q once and K_j, V_j into a ring of kStages stages with
+// the tensor memory accelerator (TMA: one instruction a 64-column box, the
+// 128-byte swizzle applied by the copy engine, rows past the tensor zero-
+// filled); the full barriers count the bytes landed, the empty barriers one
+// arrival a consumer warp. The consumers run the pipeline of the v0 kernel
+// above with no load instructions, and take turns to issue their products
+// (named barriers kBarSched + w): one warpgroup's softmax runs while the
+// other's products own the tensor cores. The producer gives its registers
+// to the consumers (setmaxnreg).
+struct ws {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (1 + kConsumers) * 128;
+  static constexpr int kBlockM = kConsumers * 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  // (enumerators: the host pass, which sees no kernel body, warns of unused constants)
+  enum : int { kProducerRegs = 24, kConsumerRegs = 240 };
+  enum : int { kBarSched = 1 };  // named barriers kBarSched + consumer
+  static constexpr int kBars = 1 + 4 * kStages;
+  static constexpr size_t smem(int D) {
+    return 1024 + static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D * 2 + kBars * 8;
+  }
+};
+
+template <int D, bool kCausal, class T>
+__global__ void __launch_bounds__(ws::kThreads, 1)
+    attn_fwd_ws_kernel(const __grid_constant__ fo_attn_params p, const __grid_constant__ CUtensorMap tq,
+                       const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int N = ws::kBlockN, S = ws::kStages, M = ws::kBlockM;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T *sQ = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T *sK = sQ + M * D;      // S stages of [N, D], D / 64 column blocks each
+  T *sV = sK + S * N * D;  // likewise
+  uint64_t *fullQ = reinterpret_cast<uint64_t *>(sV + S * N * D);
+  uint64_t *fullK = fullQ + 1, *fullV = fullK + S, *emptyK = fullV + S, *emptyV = emptyK + S;
+
+  const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const FwdBlock<T, M, N, kCausal> blk(p);
+  const int n_tiles = blk.n_tiles;
+  if (threadIdx.x == 0) {
+    mbar_init(fullQ, 1);
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&fullK[st], 1);
+      mbar_init(&fullV[st], 1);
+      mbar_init(&emptyK[st], ws::kConsumers * 4);
+      mbar_init(&emptyV[st], ws::kConsumers * 4);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // the producer
+    regs_dec<ws::kProducerRegs>();
+    if (warp == 0 && lane == 0 && n_tiles > 0) {
+      const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h);
+      const int hk = h / static_cast<int>(p.Hq / p.Hkv), i0 = static_cast<int>(blk.i0);
+      mbar_expect_tx(fullQ, M * D * sizeof(T));
+#pragma unroll
+      for (int cb = 0; cb < D / 64; ++cb) tma_load_4d(sQ + cb * M * 64, &tq, fullQ, cb * 64, i0, h, b);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % S;
+        const uint32_t phase = (j / S) & 1;
+        if (j >= S) mbar_wait(&emptyK[st], phase ^ 1);  // tile j - S is released
+        mbar_expect_tx(&fullK[st], N * D * sizeof(T));
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb)
+          tma_load_4d(sK + st * N * D + cb * N * 64, &tk, &fullK[st], cb * 64, j * N, hk, b);
+        if (j >= S) mbar_wait(&emptyV[st], phase ^ 1);
+        mbar_expect_tx(&fullV[st], N * D * sizeof(T));
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb)
+          tma_load_4d(sV + st * N * D + cb * N * 64, &tv, &fullV[st], cb * 64, j * N, hk, b);
+      }
+    }
+    return;
+  }
+
+  regs_inc<ws::kConsumerRegs>();
+  const int cw = wg - 1;  // this consumer: query rows 64 cw.. of the block
+  const int64_t i0 = blk.i0;
+  const float scale2 = p.scale * kLog2e;
+  auto rows_of = [&](int j) { return static_cast<int>(imin(N, p.Sk - static_cast<int64_t>(j) * N)); };
+  auto landed = [&](uint64_t *full, int j) { mbar_wait(&full[j % S], (j / S) & 1); };
+  auto release = [&](uint64_t *empty, int j) {
+    if (lane == 0) mbar_arrive(&empty[j % S]);
+  };
+  // Turns: a consumer issues its products between sched_wait and
+  // sched_pass; consumer 0 takes the first turn.
+  auto sched_wait = [&] { named_sync<256>(ws::kBarSched + cw); };
+  auto sched_pass = [&] { named_arrive<256>(ws::kBarSched + (cw ^ 1)); };
+
+  const uint64_t dQ = desc128(sQ + cw * 64 * 64, 16), dK0 = desc128(sK, 16);
+  const uint64_t dV0 = desc128(sV, N * 64 * 2);
+  auto issue_s = [&](float (&s)[N / 8][4], int j) {
+    const uint64_t dK = dK0 + (j % S) * (N * D / 8);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, N, 0>(s, dQ + ((kk / 4) * M * 64 + (kk % 4) * 16) / 8,
+                        dK + ((kk / 4) * N * 64 + (kk % 4) * 16) / 8, kk > 0);
+  };
+
+  float m[2], l[2], alpha[2];
+  int row_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    row_l[r] = cw * 64 + warp * 16 + lane / 4 + 8 * r;
+  }
+  auto softmax = [&](float (&s)[N / 8][4], int j) {
+    const int64_t j0 = static_cast<int64_t>(j) * N;
+    const int k_rows = rows_of(j);
+    const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + cw * 64);
+    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
+  };
+
+  float o[D / 8][4];
+  zero(o);
+  float s[N / 8][4];
+  uint32_t pa[N / 16][4];
+  auto issue_pv = [&](int j) {
+    scale_rows(o, alpha);
+    const uint64_t dV = dV0 + (j % S) * (N * D / 8);
+    hold(o);
+    hold(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], dV + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(o);
+  };
+
+  if (n_tiles > 0) {
+    if (cw == 1) sched_pass();
+    landed(fullQ, 0);
+    landed(fullK, 0);
+    sched_wait();
+    wgmma_fence();
+    issue_s(s, 0);
+    wgmma_commit();
+    sched_pass();
+    wgmma_wait<0>();
+    hold(s);
+    release(emptyK, 0);
+    softmax(s, 0);
+    pack_a<T>(pa, s);
+    for (int j = 0; j + 1 < n_tiles; ++j) {
+      landed(fullK, j + 1);
+      sched_wait();
+      hold(s);
+      wgmma_fence();
+      issue_s(s, j + 1);
+      wgmma_commit();
+      hold(s);
+      landed(fullV, j);
+      issue_pv(j);
+      sched_pass();
+      wgmma_wait<1>();  // S_{j+1}; P_j V_j may still run
+      hold(s);
+      release(emptyK, j + 1);
+      softmax(s, j + 1);
+      hold(s);
+      wgmma_wait<0>();
+      hold(o);
+      hold(pa);
+      release(emptyV, j);
+      pack_a<T>(pa, s);
+    }
+    landed(fullV, n_tiles - 1);
+    sched_wait();
+    issue_pv(n_tiles - 1);
+    if (cw == 0) sched_pass();  // consumer 1's last turn; consumer 0 has none left
+    wgmma_wait<0>();
+    hold(o);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[r], o, r, m[r], l[r]);
+#endif
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A [B, S, H, D] operand (strides st, unit stride along D) as a 4-D tensor
+// map, D innermost, read in boxes of 64 columns x `rows` rows with the
+// 128-byte swizzle. False where TMA cannot describe it (a zero stride, a
+// stride not a multiple of 16 bytes): the caller takes another kernel.
+bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64_t B, int64_t S, int64_t H,
+                int64_t D, fo_attn_strides st, int rows) {
+  const EncodeTiled encode = encode_tiled();
+  if (!encode) return false;
+  const int64_t dims[4] = {D, S, H, B}, strides[3] = {st.seq, st.head, st.batch};
+  cuuint64_t gdim[4], gstride[3];
+  for (int i = 0; i < 4; ++i) {
+    if (dims[i] < 1 || dims[i] > (int64_t{1} << 32)) return false;
+    gdim[i] = static_cast<cuuint64_t>(dims[i]);
+  }
+  for (int i = 0; i < 3; ++i) {
+    const int64_t s = dims[i + 1] == 1 ? 8 : strides[i];  // a stride never taken: any valid one
+    if (s <= 0 || s % 8 != 0 || s >= (int64_t{1} << 39)) return false;
+    gstride[i] = static_cast<cuuint64_t>(s) * 2;
+  }
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  return encode(map, dtype == FO_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void *>(base), gdim, gstride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int D, bool kCausal, class T>
+const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cudaStream_t stream) {
+  auto kernel = attn_fwd_ws_kernel<D, kCausal, T>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ws::smem(D)) !=
+      cudaSuccess)
+    return fo::last_error();
+  const dim3 grid(static_cast<unsigned>((p.Sq + ws::kBlockM - 1) / ws::kBlockM),
+                  static_cast<unsigned>(p.B * p.Hq));
+  kernel<<<grid, ws::kThreads, ws::smem(D), stream>>>(p, maps[0], maps[1], maps[2]);
+  return fo::last_error();
+}
+
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   auto kernel = attn_fwd_wgmma_kernel<D, kCausal, T>;
@@ -238,6 +479,18 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
 
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const char *e = getenv("FUSEDOPS_ATTN_WS");
+  CUtensorMap maps[3];
+  if (p->D == 128 && !(e && e[0] == '0') &&
+      tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, ws::kBlockM) &&
+      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, ws::kBlockN) &&
+      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, ws::kBlockN))
+    return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) -> const char * {
+      if constexpr (decltype(d)::value == 128)
+        return launch_ws<128, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, maps, s);
+      else
+        return "fo_attn_fwd_wgmma_cuda: the warp-specialised kernel is built for head dim 128";
+    });
   return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
     return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
   });
