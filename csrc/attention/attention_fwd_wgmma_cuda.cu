@@ -214,18 +214,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
 }
 
 // ---------------------------------------------------------------- warp-specialised (v1)
-// One producer warpgroup and two consumer warpgroups a block. The producer's
-// first thread loads Q once and K_j, V_j into a ring of kStages stages with
-// the tensor memory accelerator (TMA: one instruction a 64-column box, the
-// 128-byte swizzle applied by the copy engine, rows past the tensor zero-
-// filled); the full barriers count the bytes landed, the empty barriers one
-// arrival a consumer warp. The consumers run the pipeline of the v0 kernel
-// above with no load instructions, and take turns to issue their products
-// (named barriers kBarSched + w): one warpgroup's softmax runs while the
-// other's products own the tensor cores. The producer gives its registers
-// to the consumers (setmaxnreg).
-struct ws {
-  static constexpr int kConsumers = 2;
+// One producer warpgroup and kConsumers consumer warpgroups a block (a
+// kBlockM-query tile of one (batch, q head); the grid of FwdBlock). The
+// producer's first thread loads Q, then K_j, V_j into a ring of kStages
+// stages with the tensor memory accelerator (TMA: one instruction a
+// 64-column box, the 128-byte swizzle applied by the copy engine, rows past
+// the tensor zero-filled); the full barriers count the bytes landed, the
+// empty ones an arrival a consumer warp. The consumers run the pipeline of
+// the v0 kernel above with no load instructions, and take turns to issue
+// their products (named barriers kBarSched + w, round robin): one's softmax
+// runs while another's products own the tensor cores. The producer gives its
+// registers to the consumers (setmaxnreg).
+template <int D>
+struct WsConfig {
+  static constexpr int kConsumers = 2;  // 64 query rows each
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kBlockM = kConsumers * 64;
   static constexpr int kBlockN = 128;
@@ -233,18 +235,18 @@ struct ws {
   // (enumerators: the host pass, which sees no kernel body, warns of unused constants)
   enum : int { kProducerRegs = 24, kConsumerRegs = 240 };
   enum : int { kBarSched = 1 };  // named barriers kBarSched + consumer
-  static constexpr int kBars = 1 + 4 * kStages;
-  static constexpr size_t smem(int D) {
-    return 1024 + static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D * 2 + kBars * 8;
+  static constexpr size_t smem() {
+    return 1024 + static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D * 2 + (1 + 4 * kStages) * 8;
   }
 };
 
 template <int D, bool kCausal, class T>
-__global__ void __launch_bounds__(ws::kThreads, 1)
+__global__ void __launch_bounds__(WsConfig<D>::kThreads, 1)
     attn_fwd_ws_kernel(const __grid_constant__ fo_attn_params p, const __grid_constant__ CUtensorMap tq,
                        const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int N = ws::kBlockN, S = ws::kStages, M = ws::kBlockM;
+  using C = WsConfig<D>;
+  constexpr int N = C::kBlockN, S = C::kStages, M = C::kBlockM, K = C::kConsumers;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   T *sK = sQ + M * D;      // S stages of [N, D], D / 64 column blocks each
@@ -260,21 +262,22 @@ __global__ void __launch_bounds__(ws::kThreads, 1)
     for (int st = 0; st < S; ++st) {
       mbar_init(&fullK[st], 1);
       mbar_init(&fullV[st], 1);
-      mbar_init(&emptyK[st], ws::kConsumers * 4);
-      mbar_init(&emptyV[st], ws::kConsumers * 4);
+      mbar_init(&emptyK[st], K * 4);
+      mbar_init(&emptyV[st], K * 4);
     }
     fence_mbar_init();
   }
   __syncthreads();
 
   if (wg == 0) {  // the producer
-    regs_dec<ws::kProducerRegs>();
+    regs_dec<C::kProducerRegs>();
     if (warp == 0 && lane == 0 && n_tiles > 0) {
       const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h);
-      const int hk = h / static_cast<int>(p.Hq / p.Hkv), i0 = static_cast<int>(blk.i0);
+      const int hk = h / static_cast<int>(p.Hq / p.Hkv);
       mbar_expect_tx(fullQ, M * D * sizeof(T));
 #pragma unroll
-      for (int cb = 0; cb < D / 64; ++cb) tma_load_4d(sQ + cb * M * 64, &tq, fullQ, cb * 64, i0, h, b);
+      for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_4d(sQ + cb * M * 64, &tq, fullQ, cb * 64, static_cast<int>(blk.i0), h, b);
       for (int j = 0; j < n_tiles; ++j) {
         const int st = j % S;
         const uint32_t phase = (j / S) & 1;
@@ -293,19 +296,19 @@ __global__ void __launch_bounds__(ws::kThreads, 1)
     return;
   }
 
-  regs_inc<ws::kConsumerRegs>();
+  regs_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // this consumer: query rows 64 cw.. of the block
   const int64_t i0 = blk.i0;
   const float scale2 = p.scale * kLog2e;
-  auto rows_of = [&](int j) { return static_cast<int>(imin(N, p.Sk - static_cast<int64_t>(j) * N)); };
   auto landed = [&](uint64_t *full, int j) { mbar_wait(&full[j % S], (j / S) & 1); };
   auto release = [&](uint64_t *empty, int j) {
     if (lane == 0) mbar_arrive(&empty[j % S]);
   };
-  // Turns: a consumer issues its products between sched_wait and
-  // sched_pass; consumer 0 takes the first turn.
-  auto sched_wait = [&] { named_sync<256>(ws::kBarSched + cw); };
-  auto sched_pass = [&] { named_arrive<256>(ws::kBarSched + (cw ^ 1)); };
+  // Turns: a consumer issues its products between sched_wait and sched_pass,
+  // then passes the turn to the next; consumer 0 takes the first, and the
+  // last consumer's last turn passes to no one.
+  auto sched_wait = [&] { named_sync<256>(C::kBarSched + cw); };
+  auto sched_pass = [&] { named_arrive<256>(C::kBarSched + (cw + 1) % K); };
 
   const uint64_t dQ = desc128(sQ + cw * 64 * 64, 16), dK0 = desc128(sK, 16);
   const uint64_t dV0 = desc128(sV, N * 64 * 2);
@@ -327,7 +330,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1)
   }
   auto softmax = [&](float (&s)[N / 8][4], int j) {
     const int64_t j0 = static_cast<int64_t>(j) * N;
-    const int k_rows = rows_of(j);
+    const int k_rows = static_cast<int>(imin(N, p.Sk - j0));
     const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + cw * 64);
     softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
   };
@@ -349,7 +352,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1)
   };
 
   if (n_tiles > 0) {
-    if (cw == 1) sched_pass();
+    if (cw == K - 1) sched_pass();
     landed(fullQ, 0);
     landed(fullK, 0);
     sched_wait();
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1)
     landed(fullV, n_tiles - 1);
     sched_wait();
     issue_pv(n_tiles - 1);
-    if (cw == 0) sched_pass();  // consumer 1's last turn; consumer 0 has none left
+    if (cw != K - 1) sched_pass();
     wgmma_wait<0>();
     hold(o);
   }
@@ -443,13 +446,12 @@ bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64_t B, i
 
 template <int D, bool kCausal, class T>
 const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cudaStream_t stream) {
+  using C = WsConfig<D>;
   auto kernel = attn_fwd_ws_kernel<D, kCausal, T>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ws::smem(D)) !=
-      cudaSuccess)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::smem()) != cudaSuccess)
     return fo::last_error();
-  const dim3 grid(static_cast<unsigned>((p.Sq + ws::kBlockM - 1) / ws::kBlockM),
-                  static_cast<unsigned>(p.B * p.Hq));
-  kernel<<<grid, ws::kThreads, ws::smem(D), stream>>>(p, maps[0], maps[1], maps[2]);
+  const dim3 grid(static_cast<unsigned>((p.Sq + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.B * p.Hq));
+  kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, maps[0], maps[1], maps[2]);
   return fo::last_error();
 }
 
@@ -481,15 +483,13 @@ extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *str
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const char *e = getenv("FUSEDOPS_ATTN_WS");
   CUtensorMap maps[3];
-  if (p->D == 128 && !(e && e[0] == '0') &&
-      tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, ws::kBlockM) &&
-      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, ws::kBlockN) &&
-      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, ws::kBlockN))
-    return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) -> const char * {
-      if constexpr (decltype(d)::value == 128)
-        return launch_ws<128, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, maps, s);
-      else
-        return "fo_attn_fwd_wgmma_cuda: the warp-specialised kernel is built for head dim 128";
+  const int rows_m = p->D == 64 ? WsConfig<64>::kBlockM : WsConfig<128>::kBlockM;
+  if (!(e && e[0] == '0') && p->Sk > 0 &&
+      tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, rows_m) &&
+      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, WsConfig<128>::kBlockN) &&
+      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, WsConfig<128>::kBlockN))
+    return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
+      return launch_ws<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, maps, s);
     });
   return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
     return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
