@@ -33,6 +33,8 @@
 // Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, the strides of attention_bwd_cuda.cu. Built only for sm_90a
 // (the kernel bodies are empty elsewhere); p->wgmma (fo_attn_wgmma_applies) picks it.
+#include <stdlib.h>
+
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_sm90.cuh"
@@ -302,6 +304,257 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// ---------------------------------------------------------------- warp-specialised (v1)
+// The kernel above with one producer warpgroup beside the two consumer
+// warpgroups: the producer's first thread loads K and V once and each work
+// item's Q, dO (TMA boxes of 64 columns, rows past the tensor zero-filled),
+// lse2 and delta (bulk copies) into a ring of kStages stages; full barriers
+// count the bytes landed, empty ones an arrival a consumer thread. The
+// consumers' math is the kernel above's, without load instructions; the
+// producer gives its registers to them (setmaxnreg).
+template <int D>
+struct BwdWsConfig {
+  static constexpr int kConsumers = 2;  // 64 keys each
+  static constexpr int kThreads = (1 + kConsumers) * 128;
+  static constexpr int kStages = 2;
+  // (enumerators: the host pass, which sees no kernel body, warns of unused constants)
+  enum : int { kProducerRegs = 24, kConsumerRegs = 240 };
+  enum : int { kBarDs = 1, kBarPart = 2 };  // named barriers: both consumers; consumer w alone (kBarPart + w)
+  static constexpr size_t smem() {
+    return 1024 + static_cast<size_t>(2 * kKeys + 2 * kStages * kM) * D * 2 + 2 * kKeys * kM * 2 +
+           kConsumers * kAccTile * 4 + 2 * kStages * kM * 4 + (1 + 2 * kStages) * 8;
+  }
+};
+
+template <int D, bool kCausal, bool kDq, class T>
+__global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
+    attn_bwd_ws_kernel(const __grid_constant__ fo_attn_params p, const float *delta, const float *lse2,
+                       float *dq_acc, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                       const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tdo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = BwdWsConfig<D>;
+  constexpr int S = C::kStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T *sK = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T *sV = sK + kKeys * D;
+  T *sQ = sV + kKeys * D;       // [S][kM, D]
+  T *sdO = sQ + S * kM * D;     // [S][kM, D]
+  T *sdS = sdO + S * kM * D;    // [2][kKeys, kM]: dS^T of a step, buffer it % 2
+  float *sAcc = reinterpret_cast<float *>(sdS + 2 * kKeys * kM);  // [kConsumers][kAccTile]
+  float *sL = sAcc + C::kConsumers * kAccTile;                     // [S][kM]: lse2
+  float *sDl = sL + S * kM;                                        // [S][kM]: delta
+  uint64_t *fullKV = reinterpret_cast<uint64_t *>(sDl + S * kM), *full = fullKV + 1, *empty = full + S;
+
+  const int wg = threadIdx.x / 128, wtid = threadIdx.x % 128, warp = wtid / 32, lane = threadIdx.x % 32;
+  const int tig = lane % 4;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
+  const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv, group = p.Hq / p.Hkv;
+  const int64_t rows = fo_attn_bwd_rows(&p);
+  const int k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+
+  // Work items as in the kernel above: (q head of the group, query tile from m_first).
+  const int m_first = kCausal ? static_cast<int>(j0 / kM) : 0;
+  const int m_tiles = static_cast<int>(rows / kM);
+  const int n_m = m_tiles > m_first ? m_tiles - m_first : 0;
+  const int n_items = static_cast<int>(group) * n_m;
+  struct Item {
+    int hi = 0, mi = 0;
+  };
+  auto advance = [&](Item &x) {
+    if (++x.mi == n_m) x.mi = 0, ++x.hi;
+  };
+  auto item_m0 = [&](const Item &x) { return static_cast<int64_t>(m_first + x.mi) * kM; };
+  auto item_h = [&](const Item &x) { return hk * group + x.hi; };
+
+  if (threadIdx.x == 0) {
+    mbar_init(fullKV, 1);
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], C::kConsumers * 128);  // every consumer thread: its reads of lse2, delta too
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // the producer
+    regs_dec<C::kProducerRegs>();
+    if (warp == 0 && lane == 0 && n_items > 0) {
+      mbar_expect_tx(fullKV, 2 * kKeys * D * sizeof(T));
+#pragma unroll
+      for (int cb = 0; cb < D / 64; ++cb) {
+        tma_load_4d(sK + cb * kKeys * 64, &tk, fullKV, cb * 64, static_cast<int>(j0), static_cast<int>(hk),
+                    static_cast<int>(b));
+        tma_load_4d(sV + cb * kKeys * 64, &tv, fullKV, cb * 64, static_cast<int>(j0), static_cast<int>(hk),
+                    static_cast<int>(b));
+      }
+      Item x;
+      for (int it = 0; it < n_items; ++it, advance(x)) {
+        const int st = it % S;
+        if (it >= S) mbar_wait(&empty[st], ((it / S) & 1) ^ 1);  // item it - S is released
+        mbar_expect_tx(&full[st], 2 * kM * D * sizeof(T) + 2 * kM * 4);
+        const int h = static_cast<int>(item_h(x)), m0 = static_cast<int>(item_m0(x));
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb) {
+          tma_load_4d(sQ + st * kM * D + cb * kM * 64, &tq, &full[st], cb * 64, m0, h, static_cast<int>(b));
+          tma_load_4d(sdO + st * kM * D + cb * kM * 64, &tdo, &full[st], cb * 64, m0, h, static_cast<int>(b));
+        }
+        const int64_t row0 = (b * p.Hq + h) * rows + m0;  // the scratch is padded: whole 64-row tiles
+        bulk_load(sL + st * kM, lse2 + row0, kM * 4, &full[st]);
+        bulk_load(sDl + st * kM, delta + row0, kM * 4, &full[st]);
+      }
+    }
+    return;
+  }
+
+  regs_inc<C::kConsumerRegs>();
+  const int cw = wg - 1;  // this consumer: keys 64 cw.. of the block
+  const float scale2 = p.scale * kLog2e;
+  int key_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) key_l[r] = cw * 64 + warp * 16 + lane / 4 + 8 * r;
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+
+  const uint64_t dKa = desc128(sK + cw * 64 * 64, 16), dVa = desc128(sV + cw * 64 * 64, 16);
+  const uint64_t dQk = desc128(sQ, 16), dOk = desc128(sdO, 16);
+  const uint64_t dQn = desc128(sQ, kM * 64 * 2), dOn = desc128(sdO, kM * 64 * 2);
+  auto kmajor = [](int kk, int rows_) { return static_cast<uint64_t>(((kk / 4) * rows_ * 64 + (kk % 4) * 16) / 8); };
+
+  if (n_items > 0) mbar_wait(fullKV, 0);
+  Item cur;
+  for (int it = 0; it < n_items; ++it, advance(cur)) {
+    const int st = it % S;
+    mbar_wait(&full[st], (it / S) & 1);
+    const uint64_t so = static_cast<uint64_t>(st * kM * D / 8);  // the stage, in descriptor units
+
+    float s[kM / 8][4], dp[kM / 8][4];  // S^T then P^T; dP^T then dS^T: 64 keys x kM queries
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, kM, 0>(s, dKa + kmajor(kk, kKeys), dQk + so + kmajor(kk, kM), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, kM, 0>(dp, dVa + kmajor(kk, kKeys), dOk + so + kmajor(kk, kM), kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // S^T
+    hold(s);
+
+    const int64_t m0 = item_m0(cur);
+    const int off = static_cast<int>(j0 - m0);
+    auto probabilities = [&](auto masked) {
+#pragma unroll
+      for (int t = 0; t < kM / 8; ++t) {
+        const float2 l2 = *reinterpret_cast<const float2 *>(sL + st * kM + t * 8 + tig * 2);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
+            if constexpr (decltype(masked)::value)
+              if (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e)) x = -INFINITY;
+            s[t][2 * r + e] = exp2_approx(x);
+          }
+      }
+    };
+    if (k_rows < kKeys || (kCausal && j0 + cw * 64 + 63 > m0))
+      probabilities(std::true_type{});
+    else
+      probabilities(std::false_type{});
+    uint32_t pa[kM / 16][4];
+    pack_a<T>(pa, s);
+    hold(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) wgmma_rs<T, D, 1>(dv, pa[kk], dOn + so + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(dv);
+    wgmma_wait<1>();  // dP^T; dV may still run
+    hold(dp);
+
+#pragma unroll
+    for (int t = 0; t < kM / 8; ++t) {
+      const float2 dl = *reinterpret_cast<const float2 *>(sDl + st * kM + t * 8 + tig * 2);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
+        dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
+      }
+    }
+    uint32_t da[kM / 16][4];
+    pack_a<T>(da, dp);
+    T *sds = sdS + (it & 1) * kKeys * kM;
+    if constexpr (kDq) {
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<uint32_t *>(sds + sw128<kKeys>(key_l[r], 2 * kk + hf) + tig * 2) = da[kk][2 * hf + r];
+    }
+    hold(da);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) wgmma_rs<T, D, 1>(dk, da[kk], dQn + so + kk * 16 * 64 / 8, 1);
+    wgmma_commit();
+    hold(dk);
+
+    if constexpr (kDq) {
+      constexpr int kDqKeys = D == 128 ? kKeys : 64;
+      const int key0 = D == 128 ? 0 : cw * 64, cb = D == 128 ? cw : 0;
+      fence_proxy_async();  // this thread's dS^T stores, before wgmma reads them
+      if constexpr (D == 128)
+        named_sync<C::kConsumers * 128>(C::kBarDs);  // both halves of dS^T written
+      else
+        named_sync<128>(C::kBarPart + cw);
+      float dq[8][4];
+      const uint64_t dSa = desc128(sds + key0 * 64, 16), dKn = desc128(sK + cb * kKeys * 64 + key0 * 64, 16);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kDqKeys / 16; ++kk)
+        wgmma_ss<T, 64, 1, 1>(dq, dSa + kk * 16 * 64 / 8, dKn + kk * 16 * 64 / 8, kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      hold(dq);
+      hold(dk);
+      hold(dv);
+      float *acc_s = sAcc + cw * kAccTile;
+      if (wtid == 0) bulk_wait_read();
+      named_sync<128>(C::kBarPart + cw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        *reinterpret_cast<float4 *>(acc_s + (i * 128 + wtid) * 4) = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
+      fence_proxy_async();
+      named_sync<128>(C::kBarPart + cw);
+      if (wtid == 0) {
+        const int64_t h = item_h(cur);
+        bulk_reduce_add_f32(dq_acc + ((b * p.Hq + h) * rows + m0) * D + cb * kAccTile, acc_s, kAccTile * 4);
+        bulk_commit();
+      }
+    } else {
+      wgmma_wait<0>();
+      hold(dk);
+      hold(dv);
+    }
+    mbar_arrive(&empty[st]);
+  }
+  if (kDq && wtid == 0) bulk_wait();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = j0 + key_l[r];
+    if (key >= p.Sk) continue;
+    T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
+    T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
+    store_row(dkp, dk, r, p.scale);
+    store_row(dvp, dv, r, 1.f);
+  }
+#endif
+}
+
 // dq = scale * acc, rounded to T: one block a 64 x 64 tile of the
 // accumulator (tile (b Hq + h) rows / 64 + query tile, then column block),
 // stored in the fragment order of the kernel above: float4 i * 128 + t holds
@@ -345,12 +598,26 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   const float *delta = p.workspace, *lse2 = p.workspace + p.B * p.Hq * rows;
   const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
   float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
-  auto kernel = atomic ? attn_bwd_wgmma_kernel<D, kCausal, true, T> : attn_bwd_wgmma_kernel<D, kCausal, false, T>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) != cudaSuccess)
-    return fo::last_error();
   const dim3 grid(static_cast<unsigned>((p.Sk + kKeys - 1) / kKeys), static_cast<unsigned>(p.B * p.Hkv));
-  kernel<<<grid, kThreads, kSmem<D>, stream>>>(p, delta, lse2, dq_acc);
-  if (const char *e = fo::last_error()) return e;
+  const char *e = getenv("FUSEDOPS_ATTN_WS");
+  CUtensorMap maps[4];
+  if (!(e && e[0] == '0') && p.Sq > 0 && p.Sk > 0 &&
+      tensor_map(&maps[0], p.q, p.dtype, p.B, p.Sq, p.Hq, D, p.q_st, kM) &&
+      tensor_map(&maps[1], p.k, p.dtype, p.B, p.Sk, p.Hkv, D, p.k_st, kKeys) &&
+      tensor_map(&maps[2], p.v, p.dtype, p.B, p.Sk, p.Hkv, D, p.v_st, kKeys) &&
+      tensor_map(&maps[3], p.dout, p.dtype, p.B, p.Sq, p.Hq, D, p.dout_st, kM)) {
+    using C = BwdWsConfig<D>;
+    auto kernel = atomic ? attn_bwd_ws_kernel<D, kCausal, true, T> : attn_bwd_ws_kernel<D, kCausal, false, T>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::smem()) != cudaSuccess)
+      return fo::last_error();
+    kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, delta, lse2, dq_acc, maps[0], maps[1], maps[2], maps[3]);
+  } else {
+    auto kernel = atomic ? attn_bwd_wgmma_kernel<D, kCausal, true, T> : attn_bwd_wgmma_kernel<D, kCausal, false, T>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) != cudaSuccess)
+      return fo::last_error();
+    kernel<<<grid, kThreads, kSmem<D>, stream>>>(p, delta, lse2, dq_acc);
+  }
+  if (const char *err = fo::last_error()) return err;
   if (!atomic) return nullptr;
   const int64_t tiles = p.B * p.Hq * (rows / kM) * (D / 64);
   if (tiles > 0x7fffffff) return "fo_attn_bwd_wgmma_cuda: batch x heads x query tiles above 2^31";

@@ -24,7 +24,6 @@
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
 // FUSEDOPS_SM90A); for other archs the kernel body is empty, and
 // fo_attn_fwd_cuda takes it only where p->wgmma (a 9.0 GPU, a build with 9.0a) and scale > 0.
-#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
 #include <stdlib.h>
 
 #include "attention.h"
@@ -398,50 +397,6 @@ __global__ void __launch_bounds__(WsConfig<D>::kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[r], o, r, m[r], l[r]);
 #endif
-}
-
-using EncodeTiled = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void *f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
-            cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// A [B, S, H, D] operand (strides st, unit stride along D) as a 4-D tensor
-// map, D innermost, read in boxes of 64 columns x `rows` rows with the
-// 128-byte swizzle. False where TMA cannot describe it (a zero stride, a
-// stride not a multiple of 16 bytes): the caller takes another kernel.
-bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64_t B, int64_t S, int64_t H,
-                int64_t D, fo_attn_strides st, int rows) {
-  const EncodeTiled encode = encode_tiled();
-  if (!encode) return false;
-  const int64_t dims[4] = {D, S, H, B}, strides[3] = {st.seq, st.head, st.batch};
-  cuuint64_t gdim[4], gstride[3];
-  for (int i = 0; i < 4; ++i) {
-    if (dims[i] < 1 || dims[i] > (int64_t{1} << 32)) return false;
-    gdim[i] = static_cast<cuuint64_t>(dims[i]);
-  }
-  for (int i = 0; i < 3; ++i) {
-    const int64_t s = dims[i + 1] == 1 ? 8 : strides[i];  // a stride never taken: any valid one
-    if (s <= 0 || s % 8 != 0 || s >= (int64_t{1} << 39)) return false;
-    gstride[i] = static_cast<cuuint64_t>(s) * 2;
-  }
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
-  return encode(map, dtype == FO_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                const_cast<void *>(base), gdim, gstride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <int D, bool kCausal, class T>

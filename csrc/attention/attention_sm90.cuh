@@ -5,6 +5,8 @@
 // fence; bulk reductions from shared to global memory. The wrappers of
 // wgmma.mma_async itself are generated: wgmma.cuh.
 #pragma once
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
+
 #include "attention_mma.cuh"
 #include "wgmma.cuh"
 
@@ -143,6 +145,14 @@ __device__ __forceinline__ void tma_load_4d(void *dst, const void *map, uint64_t
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
 }
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global into
+// shared memory, completion counted in bytes on bar.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
 // A warpgroup gives up registers (the producer) or takes them (the
 // consumers); every thread of the warpgroup executes it.
 template <int kRegs>
@@ -167,6 +177,50 @@ __device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 #endif
+
+using EncodeTiled = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                 const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A [B, S, H, D] operand (strides st, unit stride along D) as a 4-D tensor
+// map, D innermost, read in boxes of 64 columns x `rows` rows with the
+// 128-byte swizzle. False where TMA cannot describe it (a zero stride, a
+// stride not a multiple of 16 bytes): the caller takes another kernel.
+inline bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64_t B, int64_t S, int64_t H,
+                int64_t D, fo_attn_strides st, int rows) {
+  const EncodeTiled encode = encode_tiled();
+  if (!encode) return false;
+  const int64_t dims[4] = {D, S, H, B}, strides[3] = {st.seq, st.head, st.batch};
+  cuuint64_t gdim[4], gstride[3];
+  for (int i = 0; i < 4; ++i) {
+    if (dims[i] < 1 || dims[i] > (int64_t{1} << 32)) return false;
+    gdim[i] = static_cast<cuuint64_t>(dims[i]);
+  }
+  for (int i = 0; i < 3; ++i) {
+    const int64_t s = dims[i + 1] == 1 ? 8 : strides[i];  // a stride never taken: any valid one
+    if (s <= 0 || s % 8 != 0 || s >= (int64_t{1} << 39)) return false;
+    gstride[i] = static_cast<cuuint64_t>(s) * 2;
+  }
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  return encode(map, dtype == FO_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void *>(base), gdim, gstride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 // fo_attn::dispatch for the head dims the wgmma kernels are built for.
 template <class F>
