@@ -6,8 +6,9 @@ Impls: fusedops.functional.flash_attention (and on CUDA fusedops_det, the same
 with deterministic=True, and fusedops_mma, forward and backward on the mma.sync
 kernels where the H100 would take the wgmma ones), eager fusedops.reference.attention
 (the S x S matrix materialised), torch.compile of the latter (added by common);
-on CUDA torch's SDPA with the FLASH_ATTENTION and CUDNN_ATTENTION backends; on
-the CPU torch's SDPA as dispatched (its C++ flash kernel).
+on CUDA torch's SDPA with the CUDNN_ATTENTION backend (the yardstick: the first
+peer column and its 'vs' ratio) and the FLASH_ATTENTION one; on the CPU torch's
+SDPA as dispatched (its C++ flash kernel).
 
 BENCH_ATTN_IMPLS (environment, comma-separated) keeps only the impls named,
 e.g. "fusedops,sdpa_flash,sdpa_cudnn" to skip the slow eager baselines when
@@ -96,18 +97,20 @@ def _mma_sync(q, k, v, causal):
 
 
 def _impls(device):
-    impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal),
-             "eager": lambda q, k, v, causal: reference.attention(q, k, v, causal)}
+    # On a GPU the first peer is the yardstick: SDPA's cuDNN backend (what a
+    # PyTorch user gets on an H100 / H200), FlashAttention-2 beside it.
+    impls = {"fusedops": lambda q, k, v, causal: functional.flash_attention(q, k, v, causal=causal)}
     if device.type == "cuda":
+        from torch.nn.attention import SDPBackend
+        impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
+        impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
         # deterministic=True: the backward's dQ by its own kernel instead of atomics.
         impls["fusedops_det"] = lambda q, k, v, causal: functional.flash_attention(
             q, k, v, causal=causal, deterministic=True)
         impls["fusedops_mma"] = _mma_sync
-        from torch.nn.attention import SDPBackend
-        impls["sdpa_flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
-        impls["sdpa_cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
     else:
         impls["sdpa"] = _sdpa(None)
+    impls["eager"] = lambda q, k, v, causal: reference.attention(q, k, v, causal)
     keep = [n.strip() for n in os.environ.get("BENCH_ATTN_IMPLS", "").split(",") if n.strip()]
     return {n: f for n, f in impls.items() if n in keep} if keep else impls
 

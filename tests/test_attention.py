@@ -233,6 +233,17 @@ def test_against_reference_mma_sync(device, c, monkeypatch):
     fused_and_check(c, device)
 
 
+# By default a Hopper GPU runs the warp-specialised wgmma kernels (TMA loads);
+# FUSEDOPS_ATTN_WGMMA=1 keeps the wgmma kernels before them, which also serve
+# the layouts a tensor map cannot describe: the same cases on those.
+@pytest.mark.parametrize("c", SM80_CASES, ids=ids(SM80_CASES))
+def test_against_reference_wgmma_v0(device, c, monkeypatch):
+    if device == "cpu":
+        pytest.skip("a CUDA kernel choice")
+    monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", "1")
+    fused_and_check(c, device)
+
+
 # On a CPU with AVX512-BF16 (level 5) the bf16 forward at head dims that are
 # multiples of 32 takes its own tiles (vdpbf16ps, attention_cpu.c), which the
 # cases above then check; here the same cases on the level-4 tiles.

@@ -77,7 +77,9 @@ const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
  * 64 or 128 on the current device if it is a 9.0 GPU, in a build with sm_90a
  * code, unless the environment sets FUSEDOPS_ATTN_WGMMA=0 (read at every
  * call). The shim asks once a call and sets p->wgmma; the forward takes it
- * where scale > 0 as well. */
+ * where scale > 0 as well. Among them, the warp-specialised kernels (TMA
+ * loads) take every call whose layout a tensor map can describe, unless
+ * FUSEDOPS_ATTN_WGMMA=1 (attention_sm90.cuh, ws_wanted). */
 int fo_attn_wgmma_applies(const fo_attn_params *p);
 const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 /* Whether the CUDA backward adds dq with fp32 atomics (mma.sync kernel) or

@@ -33,8 +33,6 @@
 // Head dims 64 and 128, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
 // grouped-query, the strides of attention_bwd_cuda.cu. Built only for sm_90a
 // (the kernel bodies are empty elsewhere); p->wgmma (fo_attn_wgmma_applies) picks it.
-#include <stdlib.h>
-
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_sm90.cuh"
@@ -599,9 +597,8 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   const bool atomic = fo_attn_bwd_cuda_atomic_dq(&p);
   float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
   const dim3 grid(static_cast<unsigned>((p.Sk + kKeys - 1) / kKeys), static_cast<unsigned>(p.B * p.Hkv));
-  const char *e = getenv("FUSEDOPS_ATTN_WS");
   CUtensorMap maps[4];
-  if (!(e && e[0] == '0') && p.Sq > 0 && p.Sk > 0 &&
+  if (ws_wanted() && p.Sq > 0 && p.Sk > 0 &&
       tensor_map(&maps[0], p.q, p.dtype, p.B, p.Sq, p.Hq, D, p.q_st, kM) &&
       tensor_map(&maps[1], p.k, p.dtype, p.B, p.Sk, p.Hkv, D, p.k_st, kKeys) &&
       tensor_map(&maps[2], p.v, p.dtype, p.B, p.Sk, p.Hkv, D, p.v_st, kKeys) &&

@@ -18,8 +18,10 @@
 // Head dims 64 and 128 (a multiple of 64: the swizzle atom is 64 elements
 // wide), bf16 and fp16, causal (top-left) or not, any Sq / Sk, grouped-query,
 // the strides of attention_fwd_cuda.cu, softmax scale > 0. Other head dims
-// and other GPUs take the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it
-// (for comparison). Measured on the H100: docs/perf-notes.md (forward v3).
+// and other GPUs take the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it,
+// =1 this v0 kernel in place of the warp-specialised v1 below (for
+// comparison; v1 also falls back to v0 where TMA cannot describe a layout).
+// Measured: docs/perf-notes.md (forward v3, v4).
 //
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
 // FUSEDOPS_SM90A); for other archs the kernel body is empty, and
@@ -436,10 +438,9 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
 
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const char *e = getenv("FUSEDOPS_ATTN_WS");
   CUtensorMap maps[3];
   const int rows_m = p->D == 64 ? WsConfig<64>::kBlockM : WsConfig<128>::kBlockM;
-  if (!(e && e[0] == '0') && p->Sk > 0 &&
+  if (ws_wanted() && p->Sk > 0 &&
       tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, rows_m) &&
       tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, WsConfig<128>::kBlockN) &&
       tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, WsConfig<128>::kBlockN))

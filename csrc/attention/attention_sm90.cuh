@@ -6,6 +6,7 @@
 // wgmma.mma_async itself are generated: wgmma.cuh.
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
+#include <stdlib.h>
 
 #include "attention_mma.cuh"
 #include "wgmma.cuh"
@@ -220,6 +221,14 @@ inline bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64
                 const_cast<void *>(base), gdim, gstride, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether the warp-specialised kernels take a Hopper call: yes unless the
+// environment sets FUSEDOPS_ATTN_WGMMA=1, which keeps the kernels before them
+// (v0 of attention_{fwd,bwd}_wgmma_cuda.cu), for comparison.
+inline bool ws_wanted() {
+  const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
+  return !(e && e[0] == '1');
 }
 
 // fo_attn::dispatch for the head dims the wgmma kernels are built for.
