@@ -226,15 +226,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
 // their products (named barriers kBarSched + w, round robin): one's softmax
 // runs while another's products own the tensor cores. The producer gives its
 // registers to the consumers (setmaxnreg).
-template <int D>
+template <int D, bool kCausal>
 struct WsConfig {
-  static constexpr int kConsumers = 2;  // 64 query rows each
+  // 64 query rows each. At head dim 64 a tile's products are half as long
+  // against the same softmax: a third consumer keeps the tensor cores fed
+  // (causal keeps two: its masked branch does not fit 160 registers).
+  static constexpr int kConsumers = D == 64 && !kCausal ? 3 : 2;
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kBlockM = kConsumers * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   // (enumerators: the host pass, which sees no kernel body, warns of unused constants)
-  enum : int { kProducerRegs = 24, kConsumerRegs = 240 };
+  enum : int { kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160 };
   enum : int { kBarSched = 1 };  // named barriers kBarSched + consumer
   static constexpr size_t smem() {
     return 1024 + static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D * 2 + (1 + 4 * kStages) * 8;
@@ -242,11 +245,11 @@ struct WsConfig {
 };
 
 template <int D, bool kCausal, class T>
-__global__ void __launch_bounds__(WsConfig<D>::kThreads, 1)
+__global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
     attn_fwd_ws_kernel(const __grid_constant__ fo_attn_params p, const __grid_constant__ CUtensorMap tq,
                        const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = WsConfig<D>;
+  using C = WsConfig<D, kCausal>;
   constexpr int N = C::kBlockN, S = C::kStages, M = C::kBlockM, K = C::kConsumers;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -403,7 +406,7 @@ __global__ void __launch_bounds__(WsConfig<D>::kThreads, 1)
 
 template <int D, bool kCausal, class T>
 const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cudaStream_t stream) {
-  using C = WsConfig<D>;
+  using C = WsConfig<D, kCausal>;
   auto kernel = attn_fwd_ws_kernel<D, kCausal, T>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::smem()) != cudaSuccess)
     return fo::last_error();
@@ -439,11 +442,11 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   CUtensorMap maps[3];
-  const int rows_m = p->D == 64 ? WsConfig<64>::kBlockM : WsConfig<128>::kBlockM;
+  const int rows_m = p->D == 64 && !p->causal ? WsConfig<64, false>::kBlockM : WsConfig<128, false>::kBlockM;
   if (ws_wanted() && p->Sk > 0 &&
       tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, rows_m) &&
-      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, WsConfig<128>::kBlockN) &&
-      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, WsConfig<128>::kBlockN))
+      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, WsConfig<128, false>::kBlockN) &&
+      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, WsConfig<128, false>::kBlockN))
     return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
       return launch_ws<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, maps, s);
     });
