@@ -478,9 +478,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
     input_shape = x.shape[:-1]
     heads = (*input_shape, -1, self.head_dim)
-    q, k = self.q_proj(x).view(heads), self.k_proj(x).view(heads)
-    if self._fusedops_qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
+    q = self.q_proj(x).view(heads)
+    q = self.q_norm(q) if self._fusedops_qk_norm else q
+    k = self.k_proj(x).view(heads)
+    k = self.k_norm(k) if self._fusedops_qk_norm else k
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), self.v_proj(x).view(heads).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = F.apply_rotary_pos_emb(q, k, cos, sin)
