@@ -9,16 +9,18 @@ so that
 runs attention through fusedops.functional.scaled_dot_product_attention, and
 adds the entries of fusedops.patch's table for the Llama, Mistral, Qwen2 and
 Qwen3 families (their decoder layers are one code: transformers generates the
-others from Llama's):
+others from Llama's), each a forward of fusedops' own:
 
   <Family>RMSNorm       forward(x) -> fused RMSNorm; forward(x, residual) ->
-                        (out, x + residual), the fused add+norm
+                        (out, x + residual), the fused add+norm (called so only
+                        by the fused decoder layer, where no hook watches)
   <Family>MLP           the fused gated MLP (fusedops.functional.glu_mlp),
                         activations silu and gelu-tanh
   <Family>DecoderLayer  fuse_residual: the residual adds go into the norms after
                         them (see _decoder_forward)
-  <Family>Attention     attention: its own forward, with RoPE of q and k in one
-                        fused call (fusedops.functional.apply_rotary_pos_emb)
+  <Family>Attention     attention: RoPE of q and k in one fused call
+                        (fusedops.functional.apply_rotary_pos_emb), or q / k / v
+                        projection, RoPE and attention in one (qkv_attention)
 
 and, with fusedops.patch(model, loss=True), a causal LM's loss function
 becomes causal_lm_loss: transformers' ForCausalLMLoss on fusedops'
@@ -26,11 +28,8 @@ cross-entropy kernel, without the fp32 copy of the logits.
 
 fusedops.patch(model) uses them; nothing here needs calling by hand.
 """
-import hashlib
 import importlib
 import inspect
-import re
-import types
 import warnings
 
 import torch
@@ -39,9 +38,10 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import functional as F
-from .nn import _KERNEL_DTYPES, glu_mlp_of, join_gate_up, join_weights, kernel_dtype
+from .nn import _KERNEL_DTYPES, JointStorage, glu_mlp_of, join_gate_up, join_weights, kernel_dtype, plain_linear
 from .patch import Replacement, add_norm, can_hand_on, fused_class, hand_on, take_prenormed
 
 NAME = "fusedops"  # the attn_implementation
@@ -136,6 +136,8 @@ def set_attention(model, report):
         done.update(id(c) for c in _configs(m))
         old = m.config._attn_implementation
         if old == NAME:
+            if "_fusedops_attn_implementation" in m.__dict__:  # patched before: still in the report
+                report.attention.append((path, m.__dict__["_fusedops_attn_implementation"], NAME))
             continue
         try:
             m.set_attn_implementation(NAME)
@@ -171,21 +173,24 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
                        num_items_in_batch)
 
 
-def _computes_loss(cls):
-    """Whether cls.forward calls self.loss_function: a head (LlamaForCausalLM)
-    does, the base model inside it (LlamaModel), whose loss_function property
-    also answers ForCausalLMLoss, does not."""
-    f = inspect.unwrap(cls.forward)
-    return "loss_function" in getattr(getattr(f, "__code__", None), "co_names", ())
+def _computes_loss(model):
+    """Whether model computes a loss from its logits: a head (LlamaForCausalLM)
+    has output embeddings (lm_head) and does; the base model inside it
+    (LlamaModel), whose loss_function property also answers ForCausalLMLoss,
+    has none and does not."""
+    return model.get_output_embeddings() is not None
 
 
 def set_loss(model, report):
     """Every Hugging Face (sub)model in `model` that computes its loss with
     ForCausalLMLoss to causal_lm_loss, remembering what it had for unpatch."""
     for path, m in model.named_modules():
-        if not isinstance(m, PreTrainedModel) or "_fusedops_loss" in m.__dict__:
+        if not isinstance(m, PreTrainedModel):
             continue
-        if not _computes_loss(type(m)) or m.loss_function is not ForCausalLMLoss:
+        if "_fusedops_loss" in m.__dict__:  # patched before: still in the report
+            report.loss.append((path, "ForCausalLMLoss", "fusedops.hf.causal_lm_loss"))
+            continue
+        if not _computes_loss(m) or m.loss_function is not ForCausalLMLoss:
             continue
         m.__dict__["_fusedops_loss"] = m.__dict__.get("_loss_function")
         m.loss_function = causal_lm_loss
@@ -249,30 +254,17 @@ ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _plain_linear(m):
-    return type(m) is torch.nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-
-
 def _mlp_forward(self, x):
     """down_proj(act(gate_proj(x)) * up_proj(x)) in fusedops.functional.glu_mlp,
-    while the projections are plain torch.nn.Linear (a LoRA wrapper or a hook
-    added after patching makes it the original's forward again)."""
-    if not (kernel_dtype(x) and all(_plain_linear(getattr(self, p)) for p in _PROJECTIONS)):
+    while the projections are plain torch.nn.Linear with no hook (a LoRA
+    wrapper or a hook added after patching makes it the original's forward
+    again)."""
+    if not (kernel_dtype(x) and all(plain_linear(getattr(self, p)) for p in _PROJECTIONS)):
         return self._fusedops_base.forward(self, x)
     return glu_mlp_of(self, x, self._fusedops_activation)
 
 
-def _apply_then(join):
-    """An _apply for a fused class: nn.Module._apply (.to() and the like, which
-    give each parameter storage of its own), then join(self) again."""
-    def _apply(self, fn, *args, **kwargs):
-        out = self._fusedops_base._apply(self, fn, *args, **kwargs)
-        join(self)
-        return out
-    return _apply
-
-
-_MLP = {"forward": _mlp_forward, "_apply": _apply_then(join_gate_up), "_fusedops_patched": join_gate_up}
+_MLP = {"forward": _mlp_forward, "_join": join_gate_up, "_fusedops_patched": join_gate_up}
 
 
 def _make_mlp(module):
@@ -281,79 +273,122 @@ def _make_mlp(module):
         return (f"activation {type(getattr(module, 'act_fn', None)).__name__} (the fused MLP "
                 f"takes {sorted(set(ACTIVATIONS))})")
     for p in _PROJECTIONS:
-        if not _plain_linear(getattr(module, p, None)):
+        if not plain_linear(getattr(module, p, None)):
             return f"{p} is a {type(getattr(module, p, None)).__name__}, not a plain torch.nn.Linear"
-    return fused_class(type(module), _MLP), {"activation": act}
+    return fused_class(type(module), _MLP, (JointStorage,)), {"activation": act}
+
+
+# --------------------------------------------------------------- what the forwards rely on
+# The forwards below are fusedops' own, one per module kind of the families
+# above (transformers generates the others from Llama's). Whether one fits a
+# module is decided from its structure -- its submodules, attributes and the
+# arguments of its class's forward -- never from transformers' source text;
+# tests/test_patch.py checks each against the installed transformers' module
+# (logits and gradients), and CI runs it on the newest transformers and the
+# oldest supported. A module that does not fit keeps its own forward and the
+# report says why.
+
+def _forward_params(cls):
+    """cls.forward's parameters after self (its decorators unwrapped)."""
+    return list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
+
+
+def _cache_name(cls):
+    """What cls.forward calls the KV cache argument: `cache` from transformers
+    5.24, `past_key_values` before (None: neither)."""
+    names = [p.name for p in _forward_params(cls)]
+    return next((n for n in ("cache", "past_key_values") if n in names), None)
+
+
+def _take_cache_name(self, kwargs):
+    """kwargs with the KV cache under the name self's original forward takes:
+    where that is `cache`, one passed as `past_key_values` (transformers'
+    deprecated name, which its forwards still take) is renamed."""
+    if self._fusedops_cache_arg == "cache" and "past_key_values" in kwargs:
+        old = kwargs.pop("past_key_values")
+        if kwargs.get("cache") is None:
+            kwargs["cache"] = old
+    return kwargs
+
+
+def _children_problem(module, wanted, optional=()):
+    """Why module's submodules are not `wanted` (plus, all or none, `optional`):
+    our forward calls exactly those. None when they are."""
+    have = {n for n, _ in module.named_children()}
+    if have == set(wanted) or have == set(wanted) | set(optional):
+        return None
+    want = sorted(wanted) + ([f"optionally {sorted(optional)}"] if optional else [])
+    return f"submodules {sorted(have)}; fusedops' forward calls {want}"
 
 
 # --------------------------------------------------------------- decoder layer
-def _decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                     use_cache=False, position_embeddings=None, **kwargs):
-    """LlamaDecoderLayer.forward with its residual adds moved into the norms:
+def _decoder_forward(self, hidden_states, *args, **kwargs):
+    """The decoder layer (input norm, attention, residual add, post-attention
+    norm, MLP, residual add) with its residual adds moved into the norms:
 
         h = input_norm(x)                     # computed by the layer before, if linked
-        a = self_attn(h)
+        a = self_attn(h, **the other arguments)
         h, r = post_attention_norm(a, x)      # r = x + a, fused
         m = mlp(h)
         return next_norm(m, r) -> (y, s)      # s = r + m, fused; y goes along with s
                                               # to the next layer's input norm
 
-    The last step needs the next norm (linked by fusedops.patch) and is plain
-    `r + m` without it, under activation checkpointing, in a layer FSDP2
-    shards as a unit (patch.can_hand_on) and under torch.compile (which fuses
-    that add itself)."""
+    The attention gets every argument of the original forward, by name, with
+    the original's defaults for those not given (as the original passes them
+    on). The last step needs the next norm (linked by fusedops.patch) and is
+    plain `r + m` without it, under activation checkpointing, where a hook
+    could tell the difference or FSDP2 shards the layer (patch.can_hand_on),
+    in inference mode (no version counter to check the hand-over by) and
+    under torch.compile (which fuses that add itself)."""
+    names = self._fusedops_arg_names
+    if len(args) > len(names):
+        raise TypeError(f"{type(self).__name__}.forward: {len(args) + 1} positional arguments, "
+                        f"expected at most {len(names) + 1}")
+    kwargs = _take_cache_name(self, {**self._fusedops_arg_defaults, **dict(zip(names, args)), **kwargs})
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
-        **kwargs)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     nxt = self.__dict__.get("_fusedops_next_norm")
-    if (nxt is None or (self.gradient_checkpointing and self.training) or torch.compiler.is_compiling()
-            or not can_hand_on(self, nxt)):
+    if (nxt is None or (getattr(self, "gradient_checkpointing", False) and self.training)
+            or torch.compiler.is_compiling() or residual.is_inference() or not can_hand_on(self, nxt)):
         return residual + hidden_states
-    y, s = nxt(hidden_states, residual)
+    y, s = nxt.forward(hidden_states, residual)  # no hook on nxt (can_hand_on): not called as a module
     return hand_on(s, nxt, y)
 
 
-_DECODER_ARGS = ["self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
-                 "use_cache", "position_embeddings", "kwargs"]
 _DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
-_DECODER = {"forward": _decoder_forward, "_fusedops_input_norm": "input_layernorm",
-            "_fusedops_final_norm": "norm"}
+def _decoder_namespace(cls):
+    params = _forward_params(cls)
+    named = [p for p in params[1:] if p.kind == p.POSITIONAL_OR_KEYWORD]
+    return {"forward": _decoder_forward, "_fusedops_input_norm": "input_layernorm",
+            "_fusedops_final_norm": "norm", "_fusedops_cache_arg": _cache_name(cls),
+            "_fusedops_arg_names": [p.name for p in named],
+            "_fusedops_arg_defaults": {p.name: p.default for p in named if p.default is not p.empty}}
+
+
+def _decoder_problem(module):
+    params = _forward_params(type(module))
+    if not params or params[0].name != "hidden_states" or params[-1].kind != params[-1].VAR_KEYWORD:
+        return f"forward{inspect.signature(inspect.unwrap(type(module).forward))}: fusedops' forward " \
+               "takes hidden_states first and passes the rest, **kwargs included, to self_attn"
+    return _children_problem(module, _DECODER_PARTS)
 
 
 def _make_decoder(module):
-    missing = [p for p in _DECODER_PARTS if not isinstance(getattr(module, p, None), torch.nn.Module)]
-    if missing:
-        return f"no {', '.join(missing)}"
-    return fused_class(type(module), _DECODER)
-
-
-def _decoder_source(cls):
-    return inspect.getsource(inspect.unwrap(cls.forward)).split(":", 1)[1]  # without the def line
+    why = _decoder_problem(module)
+    if why:
+        return f"decoder layer not fused: {why}"
+    return fused_class(type(module), _decoder_namespace(type(module)))
 
 
 # --------------------------------------------------------------- attention module
-def _rope_forward(cls):
-    """cls.forward with the name apply_rotary_pos_emb in it bound to
-    fusedops.functional.apply_rotary_pos_emb: the same code over a copy of its
-    module's globals, so that nothing changes for unpatched models. None when
-    the forward does not call that name."""
-    f = cls.forward
-    if "apply_rotary_pos_emb" not in getattr(getattr(f, "__code__", None), "co_names", ()):
-        return None
-    g = dict(f.__globals__, apply_rotary_pos_emb=F.apply_rotary_pos_emb)
-    fused = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
-    fused.__kwdefaults__, fused.__doc__, fused.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
-    return fused
-
-
 _QKV = ("q_proj", "k_proj", "v_proj")
+_ATTENTION_PARTS = (*_QKV, "o_proj")
+_QK_NORMS = ("q_norm", "k_norm")  # Qwen3: an RMSNorm of each head's q and k before RoPE
 
 
 def _cache_empty(cache, layer_idx):
@@ -365,7 +400,7 @@ def _cache_empty(cache, layer_idx):
     return isinstance(cache, DynamicCache) and cache.get_seq_length(layer_idx) == 0
 
 
-def _cache_put(cache, layer_idx, k, v):
+def _cache_put(cache, layer_idx, k, v, kwargs):
     """Hand K and V to layer layer_idx of a cache that _cache_empty found
     empty. A layer as DynamicCache makes them by default (a DynamicLayer,
     whose update() would cat K and V onto empty tensors: a copy of each)
@@ -383,84 +418,121 @@ def _cache_put(cache, layer_idx, k, v):
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
             return
-    cache.update(k, v, layer_idx)
+    _cache_update(cache, layer_idx, k, v, kwargs)
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                       past_key_values=None, **kwargs):
-    """The attention module's forward (transformers' own, RoPE fused: the
-    class's _fusedops_rope_forward) or, where it computes the same, one call to
-    fusedops.functional.qkv_attention: the q, k, v projections as one matmul,
-    RoPE in place, our attention kernels, a backward that sums nothing. That
-    is when attention is fusedops' and causal without a mask, no dropout, the
+def _cache_update(cache, layer_idx, k, v, kwargs):
+    # The attention's other arguments go along as `kwargs` (transformers 5.24's
+    # call: a paged cache reads them; every cache's update() takes **kwargs).
+    return cache.update(k, v, layer_idx, kwargs=kwargs)
+
+
+def _sliding_window(self):
+    """The sliding_window argument the family's attention hands the attention
+    function: Qwen2's and Qwen3's hold it per layer (None on full-attention
+    layers), Mistral's config holds it, Llama's neither (None)."""
+    if hasattr(self, "sliding_window"):
+        return self.sliding_window
+    return getattr(self.config, "sliding_window", None)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    """The attention module of the Llama, Mistral, Qwen2 and Qwen3 families:
+
+        q, k, v = q_proj(x), k_proj(x), v_proj(x)     # as (B, H, S, D) heads
+        q, k = q_norm(q), k_norm(k)                   # Qwen3 only (per head, before RoPE)
+        q, k = RoPE(q, k)                             # fusedops.functional.apply_rotary_pos_emb
+        k, v = cache.update(k, v)                     # if a cache is given
+        o = attention(q, k, v, mask)                  # the config's attention implementation
+        return o_proj(o), attention weights (or None)
+
+    or, where it computes the same, one call to fusedops.functional.qkv_attention:
+    the q, k, v projections as one matmul, RoPE in place, our attention
+    kernels, a backward that sums nothing. That is when attention is
+    fusedops' and causal without a mask, no dropout, no q / k norms, the
     cache (if any) has no tokens of this layer yet (training, or a prompt's
-    first forward) and the projections are plain torch.nn.Linear. transformers'
-    cache then receives K and V outside autograd (see qkv_attention)."""
+    first forward) and the projections are plain torch.nn.Linear with no
+    hook. transformers' cache then receives K and V outside autograd (see
+    qkv_attention)."""
+    if args:
+        kwargs[self._fusedops_cache_arg] = args[0]
+    cache = _take_cache_name(self, kwargs).pop(self._fusedops_cache_arg, None)
     x = hidden_states
     fast = (self.config._attn_implementation == NAME and attention_mask is None
             and position_embeddings is not None and not (self.training and self.attention_dropout)
-            and getattr(self, "is_causal", True) and x.dim() == 3
+            and getattr(self, "is_causal", True) and x.dim() == 3 and not self._fusedops_qk_norm
             and not _unsupported(kwargs)
-            and all(_plain_linear(getattr(self, p)) for p in _QKV)
-            and _cache_empty(past_key_values, self.layer_idx))
+            and all(plain_linear(getattr(self, p)) for p in _QKV)
+            and _cache_empty(cache, self.layer_idx))
     if fast:
         cos, sin = position_embeddings
         q, k, v = (getattr(self, p) for p in _QKV)
         hq, hkv = q.out_features // self.head_dim, k.out_features // self.head_dim
         if F._qkv_gap(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias, cos, sin, hq, hkv) is None:
-            cache = past_key_values is not None
             res = F._qkv_fused(x, q.weight, k.weight, v.weight, cos, sin, hq, hkv, q.bias, k.bias, v.bias,
-                               scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache)
-            if cache:
+                               scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache is not None)
+            if cache is not None:
                 res, kc, vc = res
-                _cache_put(past_key_values, self.layer_idx, kc, vc)
+                _cache_put(cache, self.layer_idx, kc, vc, kwargs)
             return self.o_proj(res), None
-    return self._fusedops_rope_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                       **kwargs)
+
+    input_shape = x.shape[:-1]
+    heads = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(x).view(heads)
+    q = self.q_norm(q) if self._fusedops_qk_norm else q
+    k = self.k_proj(x).view(heads)
+    k = self.k_norm(k) if self._fusedops_qk_norm else k
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), self.v_proj(x).view(heads).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = F.apply_rotary_pos_emb(q, k, cos, sin)
+    if cache is not None:
+        k, v = _cache_update(cache, self.layer_idx, k, v, kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._fusedops_eager)
+    out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                          scaling=self.scaling, sliding_window=_sliding_window(self), **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _join_qkv(self):
-    join_weights(self, _QKV)
+    """q, k and v in one storage, for the joint path (not taken with q / k norms)."""
+    if not self._fusedops_qk_norm:
+        join_weights(self, _QKV)
 
 
-def _attention_namespace(cls):
-    """The fused class's methods for attention class cls, or None when its
-    forward does not call apply_rotary_pos_emb. The joint q / k / v path only
-    for forwards whose source is Llama's (Mistral and Qwen2 pass a sliding
-    window, which takes effect only through the mask: our path requires none);
-    Qwen3 normalises q and k first and keeps transformers' forward, RoPE fused."""
-    rope = _rope_forward(cls)
-    if rope is None:
-        return None
-    if not _llama_like_attention(cls):
-        return {"forward": rope}
-    return {"forward": _attention_forward, "_fusedops_rope_forward": rope, "_apply": _apply_then(_join_qkv),
-            "_fusedops_patched": _join_qkv}
+def _attention_namespace(cls, eager):
+    """The fused class's attributes for attention class cls; eager: the
+    family's eager_attention_forward (what transformers' forward calls for
+    attn_implementation "eager")."""
+    return {"forward": _attention_forward, "_join": _join_qkv, "_fusedops_patched": _join_qkv,
+            "_fusedops_cache_arg": _cache_name(cls), "_fusedops_eager": staticmethod(eager),
+            "_fusedops_qk_norm": False}
 
 
-# What the joint path reimplements: the body of LlamaAttention.forward in
-# transformers 5.17 to 5.23 (also Mistral's and Qwen2's, whose one difference,
-# a sliding_window argument, is left out), whitespace-normalised, as a sha256
-# prefix. Another body (a later transformers, Qwen3's q / k norms) keeps
-# transformers' forward, with RoPE fused.
-_LLAMA_ATTENTION_SHA = "af161e6671c2fb09"
-_ATTENTION_ARGS = ["self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs"]
+_ATTENTION_ARGS = ["hidden_states", "position_embeddings", "attention_mask"]
+_ATTENTION_NUMBERS = {"head_dim": int, "layer_idx": int, "scaling": (int, float), "attention_dropout": (int, float)}
 
 
-def _llama_like_attention(cls):
-    f = inspect.unwrap(cls.forward)
-    if list(inspect.signature(f).parameters) != _ATTENTION_ARGS:
-        return False
-    src = inspect.getsource(f)
-    src = re.sub(r"\n\s*sliding_window=[^\n]*", "", src[src.find("input_shape = hidden_states.shape[:-1]"):])
-    return hashlib.sha256(" ".join(src.split()).encode()).hexdigest()[:16] == _LLAMA_ATTENTION_SHA
+def _attention_problem(module):
+    cls = type(module)
+    params = _forward_params(cls)
+    names = [p.name for p in params]
+    if names[:-1] != [*_ATTENTION_ARGS, _cache_name(cls)] or params[-1].kind != params[-1].VAR_KEYWORD:
+        return (f"forward{inspect.signature(inspect.unwrap(cls.forward))}: fusedops' forward takes "
+                f"{', '.join(_ATTENTION_ARGS)}, the cache (cache or past_key_values), **kwargs")
+    for name, kind in _ATTENTION_NUMBERS.items():
+        if not isinstance(getattr(module, name, None), kind) or isinstance(getattr(module, name), bool):
+            return f"{name} is {getattr(module, name, None)!r}, fusedops' forward needs a number"
+    if not hasattr(getattr(module, "config", None), "_attn_implementation"):
+        return "no config with an _attn_implementation"
+    return _children_problem(module, _ATTENTION_PARTS, _QK_NORMS)
 
 
-def _make_attention(module):
-    ns = _attention_namespace(type(module))
-    if ns is None:
-        return "its forward does not call apply_rotary_pos_emb"
-    return fused_class(type(module), ns)
+def _make_attention(module, eager):
+    why = _attention_problem(module)
+    if why:
+        return f"attention not fused: {why}"
+    qk_norm = hasattr(module, "q_norm")
+    return fused_class(type(module), _attention_namespace(type(module), eager), (JointStorage,)), {"qk_norm": qk_norm}
 
 
 # --------------------------------------------------------------- the table
@@ -469,12 +541,12 @@ _table = None
 
 def replacements():
     """{class: Replacement} for the families above that this transformers has.
-    A decoder layer is only listed when its forward is the one _decoder_forward
-    reimplements: same arguments, same source as Llama's."""
+    Whether a module fits its fused forward is checked per module when
+    patching (the _make_* functions); a report line says why not where not."""
     global _table
     if _table is not None:
         return _table
-    table, llama_decoder = {}, None
+    table = {}
     for module_name, prefix in FAMILIES.items():
         try:
             mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
@@ -482,18 +554,16 @@ def replacements():
             continue
         norm, mlp, decoder, attn = (getattr(mod, prefix + s, None)
                                     for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention"))
-        entries = [(norm, "norm", _make_rms_norm, _NORM), (mlp, "swiglu", _make_mlp, _MLP)]
-        attn_ns = None if attn is None else _attention_namespace(attn)
-        if attn_ns is not None:
-            entries.append((attn, "attention", _make_attention, attn_ns))
+        eager = getattr(mod, "eager_attention_forward", None)
+        entries = [(norm, "norm", _make_rms_norm, _NORM, ()), (mlp, "swiglu", _make_mlp, _MLP, (JointStorage,))]
         if decoder is not None:
-            args = list(inspect.signature(inspect.unwrap(decoder.forward)).parameters)
-            llama_decoder = llama_decoder or _decoder_source(decoder)
-            if args == _DECODER_ARGS and _decoder_source(decoder) == llama_decoder:
-                entries.append((decoder, "fuse_residual", _make_decoder, _DECODER))
-        for cls, flag, make, namespace in entries:
+            entries.append((decoder, "fuse_residual", _make_decoder, _decoder_namespace(decoder), ()))
+        if attn is not None and eager is not None:
+            entries.append((attn, "attention", lambda m, eager=eager: _make_attention(m, eager),
+                            _attention_namespace(attn, eager), (JointStorage,)))
+        for cls, flag, make, namespace, mixins in entries:
             if cls is not None:
                 table[cls] = Replacement(flag, make)
-                fused_class(cls, namespace)  # made now, so that unpickling finds it
+                fused_class(cls, namespace, mixins)  # made now, so that unpickling finds it
     _table = table
     return table

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from . import functional as F
+from . import functional as F, reference
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -17,6 +17,29 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def kernel_dtype(x):
     """Whether the kernels take x (its autocast dtype, under autocast)."""
     return (F.autocast_dtype(x.device.type) or x.dtype) in _KERNEL_DTYPES
+
+
+def hooked(module):
+    """Whether a hook would see module being called: one of its own forward,
+    forward-pre or backward hooks, or a global one (torch.nn.modules.module's
+    register_module_*_hook). A fused path that skips a module's call (reads
+    its weights, or calls its forward with other arguments) is only taken when
+    no hook is there to notice."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _global_hooks())
+
+
+def _global_hooks():
+    g = torch.nn.modules.module
+    return (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+            or g._global_backward_pre_hooks)
+
+
+def plain_linear(m):
+    """Whether m is a torch.nn.Linear whose weights a fused op may read in place
+    of calling it: exactly that class (not a subclass, such as an adapter's,
+    whose forward adds to it) and no hook on it."""
+    return type(m) is torch.nn.Linear and not hooked(m)
 
 
 def glu_mlp_of(module, x, activation):
@@ -49,6 +72,25 @@ def join_gate_up(module):
     """join_weights of gate_proj and up_proj (fusedops.nn.SwiGLU, the patched MLPs)."""
     if module.gate_proj.weight.shape == module.up_proj.weight.shape:
         join_weights(module, ("gate_proj", "up_proj"))
+
+
+class JointStorage:
+    """A mixin for a module class whose projections self._join() puts in one
+    storage (join_weights): .to() and the like give each parameter storage of
+    its own, and so do copy.deepcopy and pickle (which copy the parameters one
+    by one, then call __setstate__), so both join again after nn.Module's own."""
+
+    def _join(self):
+        raise NotImplementedError
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._join()
+        return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._join()
 
 
 def _flatten(module, x):
@@ -104,7 +146,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return unflat(y), unflat(s)
 
 
-class SwiGLU(torch.nn.Module):
+class SwiGLU(JointStorage, torch.nn.Module):
     """The MLP of Llama-family models, down_proj(silu(gate_proj(x)) * up_proj(x)),
     with the parameter names of Hugging Face's LlamaMLP (gate_proj, up_proj,
     down_proj: torch.nn.Linear), so its state_dict loads as is.
@@ -114,7 +156,11 @@ class SwiGLU(torch.nn.Module):
     (eager PyTorch stores silu(gate) and the product as well). gate_proj's and
     up_proj's weights live side by side in one allocation, so that both
     projections are one matmul; the state_dict is unchanged.
-    activation="gelu_tanh" gives the GeGLU MLP."""
+    activation="gelu_tanh" gives the GeGLU MLP.
+
+    The fused path reads the projections' weights, so it is taken only while
+    they are plain torch.nn.Linear with no hook (plain_linear); an adapter's
+    Linear subclass (LoRA) or a hook makes the forward call them as modules."""
 
     def __init__(self, hidden_size, intermediate_size, bias=False, activation="silu", device=None,
                  dtype=None):
@@ -128,20 +174,17 @@ class SwiGLU(torch.nn.Module):
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
-        join_gate_up(self)
+        self._join()
 
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        join_gate_up(self)
-        return out
+    _join = join_gate_up
 
     def forward(self, x):
-        if not kernel_dtype(x):  # e.g. float64: torch's own math
-            from . import reference
-            g, u, d = self.gate_proj, self.up_proj, self.down_proj
-            return reference.glu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
-                                     self.activation)
-        return glu_mlp_of(self, x, self.activation)
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if kernel_dtype(x) and plain_linear(g) and plain_linear(u) and plain_linear(d):
+            return glu_mlp_of(self, x, self.activation)
+        # float64, say, or a projection that must be called as a module (an
+        # adapter's Linear subclass, a hook): the same math, module by module.
+        return d(reference.glu(g(x), u(x), self.activation))
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from . import nn as fnn
+from .nn import hooked
 
 log = logging.getLogger("fusedops")
 
@@ -59,18 +60,19 @@ def register(cls, flag, make):
 
 
 # --------------------------------------------------------------- fused classes
-def fused_class(original, namespace):
-    """A subclass of `original` with the given methods (a forward, at least),
-    named Fused<Original> and reachable as fusedops.patch.<name>, so that a
-    patched model pickles (where its original classes do). One per original."""
+def fused_class(original, namespace, mixins=()):
+    """A subclass of `original` (and of `mixins`, before it) with the given
+    methods (a forward, at least), named Fused<Original> and reachable as
+    fusedops.patch.<name>, so that a patched model pickles (where its original
+    classes do). One per original."""
     name = "Fused" + original.__name__
     while name in globals():  # made before, or another original of the same name
-        if globals()[name].__bases__ == (original,):
+        if globals()[name].__bases__[-1] is original:
             return globals()[name]
         name += "_"
-    cls = type(name, (original,), {"__module__": __name__, "__qualname__": name,
-                                   "_fusedops_fused": True, "_fusedops_base": original,
-                                   **namespace})
+    cls = type(name, (*mixins, original), {"__module__": __name__, "__qualname__": name,
+                                           "_fusedops_fused": True, "_fusedops_base": original,
+                                           **namespace})
     globals()[name] = cls
     return cls
 
@@ -203,8 +205,9 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     in their own dtype.
 
     The report (model.fusedops_report, also logged to the "fusedops" logger)
-    lists what was replaced and what was not, and why. Patching twice changes
-    nothing more; fusedops.unpatch(model) undoes it.
+    lists what is replaced (by this call or an earlier one) and what was not,
+    and why. Patching twice changes nothing more; fusedops.unpatch(model)
+    undoes it.
 
     Patch before wrapping the model (torch.compile, FSDP, LoRA adapters):
     classes a wrapper made (FSDP's, say) are not in the table, and an MLP
@@ -215,7 +218,8 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     table = {**REPLACEMENTS, **(hf.replacements() if hf else {})}
     report = PatchReport()
     for path, module in model.named_modules():
-        if _ORIGINAL in module.__dict__:  # patched before
+        if _ORIGINAL in module.__dict__:  # patched before: still in the report
+            report.replaced.append((path, module.__dict__[_ORIGINAL].__name__, type(module).__name__))
             continue
         rule = table.get(type(module))
         if rule is None:
@@ -266,10 +270,10 @@ def unpatch(model):
 def _link_residual_chains(model):
     """Give each fused decoder layer in a ModuleList the norm that reads its
     output next: the next layer's input norm, or for the last layer its
-    owner's final norm. The layer then returns x + residual computed by that
-    norm's fused add+norm and hands the norm's output along (see
-    take_prenormed). Only fused norms are linked (an unfused one could not use
-    what is handed along)."""
+    owner's final norm (and the next layer, whose hooks can_hand_on checks).
+    The layer then returns x + residual computed by that norm's fused add+norm
+    and hands the norm's output along (see take_prenormed). Only fused norms
+    are linked (an unfused one could not use what is handed along)."""
     for owner in model.modules():
         for child in owner.children():
             if not isinstance(child, torch.nn.ModuleList):
@@ -277,18 +281,27 @@ def _link_residual_chains(model):
             layers = [m for m in child if getattr(type(m), "_fusedops_input_norm", None)]
             if len(layers) != len(child) or not layers:
                 continue
-            following = [getattr(m, m._fusedops_input_norm) for m in layers[1:]]
-            following.append(getattr(owner, layers[-1]._fusedops_final_norm, None))
-            for layer, nxt in zip(layers, following):
+            following = [(getattr(m, m._fusedops_input_norm), m) for m in layers[1:]]
+            following.append((getattr(owner, layers[-1]._fusedops_final_norm, None), None))
+            for layer, (nxt, nxt_layer) in zip(layers, following):
                 if nxt is not None and is_fused(nxt):
-                    layer.__dict__[_PREFIX + "next_norm"] = nxt  # not a submodule: no new state_dict key
+                    # not submodules: no new state_dict key
+                    layer.__dict__[_PREFIX + "next_norm"] = nxt
+                    layer.__dict__[_PREFIX + "next_layer"] = nxt_layer
 
 
-_HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor))
+_HANDED = "_fusedops_prenormed"  # on a residual-stream tensor: (norm module, norm(tensor), its version)
 
 
 def can_hand_on(layer=None, norm=None):
     """Whether `layer` may hand its next norm's output along with its own.
+
+    Not where a hook could tell: a hook on the layer (a forward hook may edit
+    its output in place or return another: the norm must then see that), on
+    the norm (called once, with one argument, as unpatched) or on the layer
+    after (a pre-hook may change its input). The norm's output handed along is
+    also dropped if the tensor it goes with was changed since (take_prenormed).
+
     Not under saved-tensor hooks: non-reentrant activation checkpointing
     (torch.utils.checkpoint, FSDP's wrapper) recomputes a layer and requires
     the same ops as in its forward, so a norm taken from the layer before in
@@ -302,6 +315,10 @@ def can_hand_on(layer=None, norm=None):
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None or top(False) is not None:
         return False
+    if layer is not None:
+        nxt_layer = layer.__dict__.get(_PREFIX + "next_layer")
+        if hooked(layer) or (norm is not None and hooked(norm)) or (nxt_layer is not None and hooked(nxt_layer)):
+            return False
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
     if layer is not None and fsdp is not None and isinstance(layer, getattr(fsdp, "FSDPModule", ())):
         return False
@@ -311,28 +328,34 @@ def can_hand_on(layer=None, norm=None):
 
 def hand_on(s, norm, y):
     """Attach y = norm(s), computed in a fused add+norm, to the stream tensor s
-    for `norm` to take when it is called on s."""
-    setattr(s, _HANDED, (norm, y))
+    for `norm` to take when it is called on s (unchanged: its version counter
+    says whether it was written in place since)."""
+    setattr(s, _HANDED, (norm, y, s._version))
     return s
 
 
 def take_prenormed(norm, x):
-    """norm(x) if it was computed already for this very tensor and norm module
-    (handed on by the layer before) and can be taken here, else None. Taken once."""
+    """norm(x) if it was computed already for this very tensor, as it is now,
+    and norm module (handed on by the layer before) and can be taken here,
+    else None. Taken once."""
     handed = getattr(x, _HANDED, None)
     if handed is None or handed[0] is not norm:
         return None
     delattr(x, _HANDED)
-    y = handed[1]
-    # y made without autograd while x has it (the layer before ran under
-    # no_grad, as reentrant checkpointing runs it): y would cut the graph.
-    return y if can_hand_on() and y.requires_grad == x.requires_grad else None
+    _, y, version = handed
+    # x written in place since (by a hook, say): y is stale. y made without
+    # autograd while x has it (the layer before ran under no_grad, as
+    # reentrant checkpointing runs it): y would cut the graph.
+    if x._version != version or y.requires_grad != x.requires_grad:
+        return None
+    return y if can_hand_on() else None
 
 
 def add_norm(norm, x, residual):
-    """(norm(x + residual), x + residual): one fused call where norm is a fused
-    module, the plain add and the module otherwise."""
-    if is_fused(norm):
-        return norm(x, residual)
+    """(norm(residual + x), residual + x): one fused call where norm is a fused
+    module that no hook watches (a hook sees the norm called as unpatched: once,
+    on the sum), the plain add and the module call otherwise."""
+    if is_fused(norm) and not hooked(norm):
+        return norm.forward(x, residual)
     s = residual + x
     return norm(s), s

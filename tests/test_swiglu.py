@@ -419,7 +419,9 @@ def test_module_joined_gate_up(device, bias):
     assert _joined(ours)
     ours.load_state_dict(LlamaMLP(24, 56, bias).to(device, torch.bfloat16).state_dict())
     assert _joined(ours)
-    apart = copy.deepcopy(ours)  # each parameter copied on its own
+    apart = copy.deepcopy(ours)  # joined again after the copy (test_patch.py checks it)
+    for p in (apart.gate_proj.weight, apart.up_proj.weight):
+        p.data = p.data.clone()  # each weight in storage of its own
     assert not _joined(apart)
     x, dy = randn((3, 5, 24), torch.bfloat16, device), randn((3, 5, 24), torch.bfloat16, device)
     ref = LlamaMLP(24, 56, bias).to(device, torch.float64)
