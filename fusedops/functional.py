@@ -1,13 +1,13 @@
 """Public functions of fusedops. Each is one custom op call plus argument
 handling; autograd and torch.compile support come from fusedops/ops."""
 import contextlib
+import math
 import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
-
 from . import reference
+from .ops._common import once_only
 
 _ops = torch.ops.fusedops
 
@@ -20,6 +20,33 @@ def autocast_dtype(device_type):
     if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
         return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+# What torch.autocast does to the torch ops these functions stand for (ATen's
+# autocast lists), so that each returns the dtype torch's op would:
+# - scaled_dot_product_attention: cast to the autocast dtype (lower-precision
+#   list) on every device; so flash_attention, qkv_attention and glu_mlp too
+#   (attention and linear layers).
+# - cross_entropy: computed in fp32 (fp32 list) on every device: an fp32 loss.
+# - layer_norm, rms_norm: computed in fp32 on CUDA (fp32 list); on no list on
+#   the CPU, where they stay in x's dtype.
+# The fused residual forms (fused_add_*_norm) are no torch op: they keep their
+# inputs' dtypes.
+def _lower_precision(*ts):
+    """ts cast to their device's autocast dtype, as autocast casts the inputs of
+    an op of its lower-precision list; as they are when autocast is off or one
+    is not a kernel dtype (float64, which autocast leaves alone)."""
+    dt = autocast_dtype(ts[0].device.type)
+    if dt is None or any(t.dtype not in _KERNEL_DTYPES for t in ts):
+        return ts
+    return tuple(t.to(dt) for t in ts)
+
+
+def _norm_input(x):
+    """x as CUDA autocast hands it to layer_norm / rms_norm: in fp32."""
+    if x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and autocast_dtype("cuda"):
+        return x.float()
+    return x
 
 
 def _param(t, x):
@@ -56,13 +83,13 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, residual_in_fp32=Fals
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
-    """LayerNorm over the last dimension of x."""
-    return _add_norm(x, None, weight, bias, eps, False, False)[0]
+    """LayerNorm over the last dimension of x (in fp32 under CUDA autocast, as torch's)."""
+    return _add_norm(_norm_input(x), None, weight, bias, eps, False, False)[0]
 
 
 def rms_norm(x, weight=None, eps=1e-6):
-    """RMSNorm over the last dimension of x."""
-    return _add_norm(x, None, weight, None, eps, True, False)[0]
+    """RMSNorm over the last dimension of x (in fp32 under CUDA autocast, as torch's)."""
+    return _add_norm(_norm_input(x), None, weight, None, eps, True, False)[0]
 
 
 def swiglu(gate, up):
@@ -85,6 +112,12 @@ def swiglu_packed(gate_up):
 def geglu_packed(gate_up):
     """geglu of [gate | up] packed along the last dimension."""
     return _ops.glu_packed_fwd(gate_up, "gelu_tanh")
+
+
+def _rows(t):
+    """t as a [rows, last dim] matrix (a view of a contiguous t; also when empty,
+    where reshape(-1, n) is ambiguous)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _joint_weight(*ws):
@@ -150,7 +183,7 @@ class _GLUMLP(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the in-place kernels have no gradient
+    @once_only("glu_mlp")  # the in-place kernels have no gradient
     def backward(ctx, dy):
         need = ctx.needs_input_grad
         if ctx.packed:
@@ -158,31 +191,31 @@ class _GLUMLP(torch.autograd.Function):
         else:
             x, gate, up, wg, wu, wd = ctx.saved_tensors
         f = wd.shape[1]
-        x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.to(wd.dtype).reshape(-1, dy.shape[-1])
+        x2 = _rows(x)
+        dy2 = _rows(dy.to(wd.dtype))
         # One pass turns dh = dy Wd into h (the activation, recomputed, for
         # dWd) and the projections into their gradients, all in place: the
         # projections are needed no more. A second backward through this graph
         # finds them changed (the ops bump their versions) and raises.
         h2 = dy2 @ wd
         if ctx.packed:
-            _ops.glu_packed_bwd_(h2, gate_up.view(-1, 2 * f), ctx.activation)
+            _ops.glu_packed_bwd_(h2, _rows(gate_up), ctx.activation)
         elif torch.compiler.is_compiling():
             # New tensors: gate and up are inputs of the compiled backward,
             # which inductor copies before an op writes them (1.46 ms a step
             # of the ANCHORS Llama on an H100, for nothing).
             h2, gate, up = _ops.glu_bwd_recompute(h2.view(gate.shape), gate, up, ctx.activation)
-            h2 = h2.view(-1, f)
+            h2 = _rows(h2)
         else:
             _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
         if ctx.packed:
-            dgu2 = gate_up.view(-1, 2 * f)
+            dgu2 = _rows(gate_up)
             dgate2, dup2 = dgu2[:, :f], dgu2[:, f:]
             dx = (dgu2 @ wgu).reshape(x.shape) if need[0] else None
         else:
-            dgate2, dup2 = gate.view(-1, f), up.view(-1, f)
+            dgate2, dup2 = _rows(gate), _rows(up)
             dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
         grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,
                  dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None,
@@ -283,7 +316,10 @@ def flash_attention(q, k, v, causal=False, scale=None, deterministic=False):
     copy). causal: torch SDPA's is_causal, the top-left mask tril(ones(Sq, Sk)).
     scale defaults to 1/sqrt(head_dim). deterministic: bitwise-repeatable
     gradients (also on whenever torch.use_deterministic_algorithms(True) is).
-    Raises where the kernels do not apply (never falls back)."""
+    Under torch.autocast q, k and v are cast to its dtype, as for torch's
+    scaled_dot_product_attention. Raises where the kernels do not apply
+    (never falls back)."""
+    q, k, v = _lower_precision(q, k, v)
     if q.device.type == "cuda":
         gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
         if gap is not None:
@@ -332,6 +368,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     first time for each reason. The backward is bitwise repeatable under
     torch.use_deterministic_algorithms(True)."""
     q, k, v = query, key, value
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        # Nothing to compute (no queries, keys, heads or batch): torch's function
+        # gives torch's shape, and for no keys its backend's values.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    q, k, v = _lower_precision(q, k, v)
     gap = _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa)
     if gap is not None:
         # Not while dynamo traces: warnings.warn would break the graph at every
@@ -470,7 +513,7 @@ class _QKVAttention(torch.autograd.Function):
             b = None if bq is None and bk is None and bv is None else torch.cat(
                 [t if t is not None else wr.new_zeros(wr.shape[0]) for t, wr in ((bq, wq), (bk, wk), (bv, wv))])
             bsz, seq = x.shape[:2]
-            qkv = torch.nn.functional.linear(x, w, b).view(bsz, seq, hq + 2 * hkv, -1)
+            qkv = torch.nn.functional.linear(x, w, b).view(bsz, seq, hq + 2 * hkv, w.shape[0] // (hq + 2 * hkv))
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
             _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
             det = torch.are_deterministic_algorithms_enabled()
@@ -478,7 +521,7 @@ class _QKVAttention(torch.autograd.Function):
         ctx.save_for_backward(x, qkv, w, out, lse, cos, sin)
         ctx.heads, ctx.scale, ctx.causal, ctx.det = (hq, hkv), scale, causal, det
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
-        out = out.view(bsz, seq, -1)
+        out = out.view(bsz, seq, hq * out.shape[-1])
         if not cache:
             return out
         # Views of qkv, which the backward keeps anyway: a cache may hold them as
@@ -488,7 +531,7 @@ class _QKVAttention(torch.autograd.Function):
         return out, kc, vc
 
     @staticmethod
-    @once_differentiable  # the in-place rope has no gradient
+    @once_only("qkv_attention")  # the in-place rope has no gradient
     def backward(ctx, dout, *_):
         x, qkv, w, out, lse, cos, sin = ctx.saved_tensors
         hq, hkv = ctx.heads
@@ -501,7 +544,7 @@ class _QKVAttention(torch.autograd.Function):
         g = dqkv.view(-1, w.shape[0])
         rows = [hq * q.shape[3], hkv * q.shape[3], hkv * q.shape[3]]
         dx = (g @ w).view(x.shape) if need[0] else None
-        dws = (g.t() @ x.reshape(-1, x.shape[-1])).split(rows) if any(need[1:4]) else (None,) * 3
+        dws = (g.t() @ _rows(x)).split(rows) if any(need[1:4]) else (None,) * 3
         dbs = g.sum(0).split(rows) if any(need[4:7]) else (None,) * 3
         grads = [dx, *(d if n else None for d, n in zip(dws, need[1:4])),
                  *(d if n else None for d, n in zip(dbs, need[4:7]))]
@@ -546,13 +589,13 @@ def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_h
     lin = torch.nn.functional.linear
 
     def heads(t, n):
-        return t.view(*x.shape[:-1], n, -1).transpose(1, 2)
+        return t.view(*x.shape[:-1], n, t.shape[-1] // n).transpose(1, 2)
     q, k = reference.rope(heads(lin(x, q_weight, q_bias), num_heads),
                           heads(lin(x, k_weight, k_bias), num_kv_heads), cos, sin, 1)
     v = heads(lin(x, v_weight, v_bias), num_kv_heads)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads)
-    out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    out = out.transpose(1, 2).reshape(*x.shape[:-1], num_heads * out.shape[-1])
     return (out, k.detach(), v.detach()) if return_kv else out
 
 
@@ -614,4 +657,6 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                           "kernel; calling torch's", stacklevel=2)
         return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)
-    return _xent_f32(input, target, ignore_index, reduction).to(input.dtype)
+    loss = _xent_f32(input, target, ignore_index, reduction)
+    # Under autocast torch computes cross_entropy in fp32 and returns that.
+    return loss if autocast_dtype(input.device.type) else loss.to(input.dtype)

@@ -15,14 +15,19 @@ fo_attn_strides bshd_strides(const Tensor &t) { return {t.stride(0), t.stride(1)
 // The CUDA kernels move 16-byte chunks: a 16-byte aligned base and strides
 // that are multiples of 8 elements. Other inputs are copied (clone keeps a
 // dense layout's strides, all multiples of D, on fresh aligned storage).
-Tensor cuda_readable(const Tensor &t) {
+Tensor cuda_readable(const char *op, const char *arg, const Tensor &t) {
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int64_t d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   if (ok) return t;
-  Tensor c = torch::stable::clone(t);
+  Tensor c;
+  try {
+    c = torch::stable::clone(t);
+  } catch (const std::exception &) {
+    out_of_memory(op, std::string("an aligned copy of ") + arg, sizes_of(t), t.scalar_type(), device_name(t));
+  }
   bool dense_ok = true;
   for (int64_t d = 0; d < 3; ++d) dense_ok = dense_ok && (c.size(d) <= 1 || c.stride(d) % 8 == 0);
-  return dense_ok ? c : torch::stable::contiguous(c);
+  return dense_ok ? c : contiguous_copy(c, op, arg);
 }
 
 // Head dims and dtypes attention_fwd_cuda.cu and attention_bwd_cuda.cu are built for.
@@ -41,10 +46,10 @@ void check_cuda_fwd(const char *op, const Tensor &q) {
 
 // An operand as the kernels of its device read it: unit-stride last dimension,
 // and on CUDA the alignment cuda_readable asks for.
-Tensor kernel_readable(const Tensor &t) {
-  Tensor r = unit_last(t);
+Tensor kernel_readable(const char *op, const char *arg, const Tensor &t) {
+  Tensor r = unit_last(t, op, arg);
 #ifdef FUSEDOPS_WITH_CUDA
-  if (r.is_cuda()) r = cuda_readable(r);
+  if (r.is_cuda()) r = cuda_readable(op, arg, r);
 #endif
   return r;
 }
@@ -105,8 +110,8 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
   const char *op = "fusedops.attn_fwd";
   const fo_dtype dt = check_qkv(op, q, k, v);
   const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
-  Tensor out = torch::stable::new_empty(q, {B, Sq, Hq, D}, q.scalar_type());
-  Tensor lse = torch::stable::new_empty(q, {B, Hq, Sq}, ScalarType::Float);
+  Tensor out = new_output(q, {B, Sq, Hq, D}, q.scalar_type(), op, "out");
+  Tensor lse = new_output(q, {B, Hq, Sq}, ScalarType::Float, op, "lse");
 #ifdef FUSEDOPS_WITH_CUDA
   if (q.is_cuda()) check_cuda_fwd(op, q);
 #endif
@@ -117,9 +122,9 @@ std::tuple<Tensor, Tensor> attn_fwd(Tensor q, Tensor k, Tensor v, double scale, 
     torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
     return {out, lse};
   }
-  q = kernel_readable(q);
-  k = kernel_readable(k);
-  v = kernel_readable(v);
+  q = kernel_readable(op, "q", q);
+  k = kernel_readable(op, "k", k);
+  v = kernel_readable(op, "v", v);
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.out = out.data_ptr();
@@ -167,11 +172,11 @@ void attn_bwd_into(const char *op, Tensor dout, Tensor q, Tensor k, Tensor v, Te
     torch::stable::zero_(dq);
     return;
   }
-  q = kernel_readable(q);
-  k = kernel_readable(k);
-  v = kernel_readable(v);
-  dout = kernel_readable(dout);
-  out = kernel_readable(out);
+  q = kernel_readable(op, "q", q);
+  k = kernel_readable(op, "k", k);
+  v = kernel_readable(op, "v", v);
+  dout = kernel_readable(op, "dout", dout);
+  out = kernel_readable(op, "out", out);
 
   fo_attn_params p = make_params(q, k, v, scale, causal, dt);
   p.deterministic = deterministic;
@@ -190,7 +195,7 @@ void attn_bwd_into(const char *op, Tensor dout, Tensor q, Tensor k, Tensor v, Te
   // The kernel's scratch, sized by the device's kernels; kept alive by the
   // caller until the kernel has run (or been queued on the current stream).
   auto workspace = [&](int64_t floats) {
-    Tensor t = torch::stable::new_empty(q, {floats}, ScalarType::Float);
+    Tensor t = new_output(q, {floats}, ScalarType::Float, op, "the kernel's workspace");
     p.workspace = static_cast<float *>(t.data_ptr());
     return t;
   };
@@ -210,10 +215,11 @@ void attn_bwd_into(const char *op, Tensor dout, Tensor q, Tensor k, Tensor v, Te
 std::tuple<Tensor, Tensor, Tensor> attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                             Tensor lse, double scale, bool causal,
                                             bool deterministic) {
-  Tensor dq = empty_like_shape(q, q.scalar_type());
-  Tensor dk = empty_like_shape(k, k.scalar_type());
-  Tensor dv = empty_like_shape(v, v.scalar_type());
-  attn_bwd_into("fusedops.attn_bwd", dout, q, k, v, out, lse, scale, causal, deterministic, dq, dk, dv);
+  const char *op = "fusedops.attn_bwd";
+  Tensor dq = empty_like_shape(q, q.scalar_type(), op, "dq");
+  Tensor dk = empty_like_shape(k, k.scalar_type(), op, "dk");
+  Tensor dv = empty_like_shape(v, v.scalar_type(), op, "dv");
+  attn_bwd_into(op, dout, q, k, v, out, lse, scale, causal, deterministic, dq, dk, dv);
   return {dq, dk, dv};
 }
 
@@ -227,7 +233,7 @@ Tensor attn_bwd_packed(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Te
   STD_TORCH_CHECK(k.size(1) == q.size(1), op, ": k has ", k.size(1), " keys, expected as many as q has queries (",
                   q.size(1), "): the packed gradient holds dq, dk and dv row by row");
   const int64_t hq = q.size(2), hkv = k.size(2);
-  Tensor dqkv = torch::stable::new_empty(q, {q.size(0), q.size(1), hq + 2 * hkv, q.size(3)}, q.scalar_type());
+  Tensor dqkv = new_output(q, {q.size(0), q.size(1), hq + 2 * hkv, q.size(3)}, q.scalar_type(), op, "dqkv");
   attn_bwd_into(op, dout, q, k, v, out, lse, scale, causal, deterministic,
                 torch::stable::narrow(dqkv, 2, 0, hq), torch::stable::narrow(dqkv, 2, hq, hkv),
                 torch::stable::narrow(dqkv, 2, hq + hkv, hkv));

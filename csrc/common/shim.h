@@ -10,10 +10,24 @@
 
 #include <cstdint>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "fo_types.h"
+
+// torch's STD_TORCH_CHECK starts every message with the C++ function and the
+// build machine's source path ("kernel_dtype, /home/.../shim.h:60, fusedops...."),
+// which tell a user nothing. Redefined here, for every shim (each includes this
+// header first): the same condition and message arguments, the same exception
+// (std::runtime_error, a RuntimeError in Python), the message in the op's own
+// words only.
+#undef STD_TORCH_CHECK
+#define STD_TORCH_CHECK(cond, ...)                    \
+  if (C10_UNLIKELY_OR_CONST(!(cond))) {              \
+    ::fusedops::check_failed(__VA_ARGS__);          \
+  }
 
 // Hidden like torch::stable itself, whose types these helpers hold.
 namespace fusedops __attribute__((visibility("hidden"))) {
@@ -21,6 +35,14 @@ namespace fusedops __attribute__((visibility("hidden"))) {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
+template <class... Args>
+[[noreturn]] void check_failed(const Args &...message) {
+  std::ostringstream out;
+  (out << ... << message);
+  throw std::runtime_error(out.str());
+}
+
+// The name torch gives the dtype in Python (torch.<name>).
 inline const char *dtype_name(ScalarType t) {
   switch (t) {
     case ScalarType::Float: return "float32";
@@ -29,10 +51,25 @@ inline const char *dtype_name(ScalarType t) {
     case ScalarType::Double: return "float64";
     case ScalarType::Long: return "int64";
     case ScalarType::Int: return "int32";
+    case ScalarType::Short: return "int16";
+    case ScalarType::Char: return "int8";
+    case ScalarType::Byte: return "uint8";
+    case ScalarType::UInt16: return "uint16";
+    case ScalarType::UInt32: return "uint32";
+    case ScalarType::UInt64: return "uint64";
     case ScalarType::Bool: return "bool";
+    case ScalarType::ComplexHalf: return "complex32";
     case ScalarType::ComplexFloat: return "complex64";
     case ScalarType::ComplexDouble: return "complex128";
-    default: return "an unsupported dtype";
+    case ScalarType::Float8_e5m2: return "float8_e5m2";
+    case ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
+    case ScalarType::Float8_e5m2fnuz: return "float8_e5m2fnuz";
+    case ScalarType::Float8_e4m3fnuz: return "float8_e4m3fnuz";
+    case ScalarType::Float8_e8m0fnu: return "float8_e8m0fnu";
+    case ScalarType::QInt8: return "qint8";
+    case ScalarType::QUInt8: return "quint8";
+    case ScalarType::QInt32: return "qint32";
+    default: return torch::headeronly::toString(t);  // the C++ name of the rarer ones (Bits8, UInt4, ...)
   }
 }
 
@@ -100,16 +137,85 @@ inline bool is_unit_last(const Tensor &t) {
   return t.size(last) <= 1 || t.stride(last) == 1;
 }
 
+// Allocation. Every output and every copy a shim makes goes through these.
+// Through the stable ABI of torch 2.11 a failed allocation reaches us as
+// "torch_call_dispatcher(...) API call failed at .../stable/ops.h", without
+// its cause; one of a size that exists (the sizes come from the op's tensors)
+// fails for want of memory, so it is raised again as that, naming the op, the
+// tensor and the bytes asked for. `op` and `name` default to words that name
+// neither, for the shims that do not pass them yet.
+inline int64_t element_bytes(ScalarType t) {
+  switch (t) {
+    case ScalarType::Double: case ScalarType::Long: return 8;
+    case ScalarType::Float: case ScalarType::Int: return 4;
+    case ScalarType::Half: case ScalarType::BFloat16: case ScalarType::Short: return 2;
+    default: return 1;
+  }
+}
+
+[[noreturn]] inline void out_of_memory(const char *op, const std::string &what, const std::vector<int64_t> &sizes,
+                                       ScalarType dtype, const std::string &device) {
+  std::string shape = "[", bytes;
+  int64_t n = element_bytes(dtype);
+  bool overflow = false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    shape += (d ? ", " : "") + std::to_string(sizes[d]);
+    overflow = overflow || __builtin_mul_overflow(n, sizes[d], &n);
+  }
+  bytes = overflow ? "more than 2^63" : std::to_string(n);
+  check_failed(op, ": out of memory: could not allocate ", what, " (", shape, "], ", dtype_name(dtype),
+               ", ", bytes, " bytes on ", device, ")");
+}
+
+inline std::vector<int64_t> sizes_of(const Tensor &t) {
+  std::vector<int64_t> s(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) s[d] = t.size(d);
+  return s;
+}
+
+// A new tensor of `sizes` and `dtype` on like's device: output `name` of `op`.
+inline Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes, ScalarType dtype,
+                         const char *op = "fusedops", const char *name = "an output") {
+  try {
+    return torch::stable::new_empty(like, sizes, dtype);
+  } catch (const std::exception &) {
+    out_of_memory(op, name, sizes, dtype, device_name(like));
+  }
+}
+
+// A contiguous copy of t (argument `name` of `op`), or t if it is one.
+inline Tensor contiguous_copy(const Tensor &t, const char *op = "fusedops", const char *name = "an input") {
+  if (t.is_contiguous()) return t;
+  try {
+    return torch::stable::contiguous(t);
+  } catch (const std::exception &) {
+    out_of_memory(op, std::string("a contiguous copy of ") + name, sizes_of(t), t.scalar_type(),
+                  device_name(t));
+  }
+}
+
+inline Tensor empty_like_shape(const Tensor &like, ScalarType dtype, const char *op = "fusedops",
+                               const char *name = "an output") {
+  return new_output(like, sizes_of(like), dtype, op, name);
+}
+
+inline Tensor empty_1d(const Tensor &like, int64_t n, ScalarType dtype, const char *op = "fusedops",
+                       const char *name = "an output") {
+  return new_output(like, {n}, dtype, op, name);
+}
+
 // t with a unit-stride last dimension, for kernels that read every other
 // dimension through its stride: t itself, or a contiguous copy when its last
 // dimension is strided (never misread).
-inline Tensor unit_last(const Tensor &t) { return is_unit_last(t) ? t : torch::stable::contiguous(t); }
+inline Tensor unit_last(const Tensor &t, const char *op = "fusedops", const char *name = "an input") {
+  return is_unit_last(t) ? t : contiguous_copy(t, op, name);
+}
 
 // A 1-D parameter of `n` elements (weight, bias), made contiguous if it is not.
 inline Tensor vector_arg(const char *op, const char *arg, const Tensor &t, int64_t n) {
   STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected [", n, "] (the size of the last dimension of the input)");
-  return unit_last(t);
+  return unit_last(t, op, arg);
 }
 
 inline int64_t numel_rows(const Tensor &t) {
@@ -153,22 +259,12 @@ struct RowView {
   int64_t rows, cols, stride;
 };
 
-inline RowView row_view(const Tensor &in) {
+inline RowView row_view(const Tensor &in, const char *op = "fusedops", const char *name = "an input") {
   const int64_t cols = in.size(in.dim() - 1);
   const int64_t rows = numel_rows(in);
   const RowLevels lv = row_levels(in, 1);
   if (lv.ok) return {in, rows, cols, lv.n ? lv.stride[0] : cols};
-  return {torch::stable::contiguous(in), rows, cols, cols};
-}
-
-inline Tensor empty_like_shape(const Tensor &like, ScalarType dtype) {
-  std::vector<int64_t> sizes(like.dim());
-  for (int64_t d = 0; d < like.dim(); ++d) sizes[d] = like.size(d);
-  return torch::stable::new_empty(like, sizes, dtype);
-}
-
-inline Tensor empty_1d(const Tensor &like, int64_t n, ScalarType dtype) {
-  return torch::stable::new_empty(like, {n}, dtype);
+  return {contiguous_copy(in, op, name), rows, cols, cols};
 }
 
 inline ScalarType scalar_type_of(fo_dtype t) {

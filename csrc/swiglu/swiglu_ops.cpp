@@ -21,10 +21,10 @@ fo_glu_act glu_act(const char *op, const std::string &activation) {
 
 // The row map of t's leading dims (two levels read in place; more: a copy,
 // which `t` is replaced by).
-fo_glu_rows glu_rows(Tensor &t) {
+fo_glu_rows glu_rows(const char *op, const char *arg, Tensor &t) {
   RowLevels lv = row_levels(t, 2);
   if (!lv.ok) {
-    t = torch::stable::contiguous(t);
+    t = contiguous_copy(t, op, arg);
     lv = row_levels(t, 2);
   }
   const int64_t rows = numel_rows(t);
@@ -37,12 +37,6 @@ void check_input(const char *op, const char *arg, const Tensor &t) {
   STD_TORCH_CHECK(t.dim() >= 1, op, ": ", arg, " has shape ", shape_str(t),
                   ", expected at least one dimension");
   kernel_dtype(op, arg, t);
-}
-
-std::vector<int64_t> sizes_of(const Tensor &t) {
-  std::vector<int64_t> s(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) s[d] = t.size(d);
-  return s;
 }
 
 void run(const char *op, const Tensor &like, const fo_glu_params &p, bool bwd) {
@@ -76,12 +70,12 @@ fo_glu_params glu_params(const char *op, Tensor &gate, Tensor &up, Tensor *dout,
   p.rows = numel_rows(gate);
   p.cols = gate.size(-1);
   p.out_stride = p.cols;
-  p.gate_rows = glu_rows(gate);
-  p.up_rows = glu_rows(up);
+  p.gate_rows = glu_rows(op, "gate", gate);
+  p.up_rows = glu_rows(op, "up", up);
   p.gate = gate.data_ptr();
   p.up = up.data_ptr();
   if (dout) {
-    p.dout_rows = glu_rows(*dout);
+    p.dout_rows = glu_rows(op, "dout", *dout);
     p.dout = dout->data_ptr();
   }
   return p;
@@ -90,7 +84,7 @@ fo_glu_params glu_params(const char *op, Tensor &gate, Tensor &up, Tensor *dout,
 Tensor glu_fwd(Tensor gate, Tensor up, std::string activation) {
   const char *op = "fusedops.glu_fwd";
   fo_glu_params p = glu_params(op, gate, up, nullptr, activation);
-  Tensor out = empty_like_shape(gate, gate.scalar_type());
+  Tensor out = empty_like_shape(gate, gate.scalar_type(), op, "out");
   p.out = out.data_ptr();
   run(op, gate, p, false);
   return out;
@@ -101,12 +95,12 @@ Tensor glu_fwd(Tensor gate, Tensor up, std::string activation) {
 std::tuple<Tensor, Tensor> glu_bwd_into(const char *op, Tensor &dout, Tensor &gate, Tensor &up,
                                         const std::string &activation, Tensor *out) {
   fo_glu_params p = glu_params(op, gate, up, &dout, activation);
-  Tensor dgate = empty_like_shape(gate, gate.scalar_type());
-  Tensor dup = empty_like_shape(gate, gate.scalar_type());
+  Tensor dgate = empty_like_shape(gate, gate.scalar_type(), op, "dgate");
+  Tensor dup = empty_like_shape(gate, gate.scalar_type(), op, "dup");
   p.dgate = dgate.data_ptr();
   p.dup = dup.data_ptr();
   if (out) {
-    *out = empty_like_shape(gate, gate.scalar_type());
+    *out = empty_like_shape(gate, gate.scalar_type(), op, "out");
     p.out = out->data_ptr();
     p.h_stride = p.cols;
   }
@@ -180,10 +174,10 @@ fo_glu_params packed_params(const char *op, Tensor &gate_up, Tensor *dout,
     for (int64_t d = 0; same && d < dout->dim(); ++d) same = dout->size(d) == half[d];
     STD_TORCH_CHECK(same, op, ": dout has shape ", shape_str(*dout),
                     ", expected gate_up's shape with the last dimension halved");
-    p.dout_rows = glu_rows(*dout);
+    p.dout_rows = glu_rows(op, "dout", *dout);
     p.dout = dout->data_ptr();
   }
-  p.gate_rows = p.up_rows = glu_rows(gate_up);
+  p.gate_rows = p.up_rows = glu_rows(op, "gate_up", gate_up);
   p.gate = gate_up.data_ptr();
   p.up = static_cast<const char *>(p.gate) + p.cols * fo_dtype_size(p.dtype);
   return p;
@@ -193,7 +187,7 @@ Tensor glu_packed_fwd(Tensor gate_up, std::string activation) {
   const char *op = "fusedops.glu_packed_fwd";
   std::vector<int64_t> half;
   fo_glu_params p = packed_params(op, gate_up, nullptr, activation, half);
-  Tensor out = torch::stable::new_empty(gate_up, half, gate_up.scalar_type());
+  Tensor out = new_output(gate_up, half, gate_up.scalar_type(), op, "out");
   p.out = out.data_ptr();
   p.out_stride = p.cols;
   run(op, gate_up, p, false);
@@ -205,7 +199,7 @@ Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
   const char *op = "fusedops.glu_packed_bwd";
   std::vector<int64_t> half;
   fo_glu_params p = packed_params(op, gate_up, &dout, activation, half);
-  Tensor dgate_up = empty_like_shape(gate_up, gate_up.scalar_type());
+  Tensor dgate_up = empty_like_shape(gate_up, gate_up.scalar_type(), op, "dgate_up");
   p.dgate = dgate_up.data_ptr();
   p.dup = static_cast<char *>(p.dgate) + p.cols * fo_dtype_size(p.dtype);
   p.out_stride = 2 * p.cols;

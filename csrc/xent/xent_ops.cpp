@@ -22,7 +22,7 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
                   dtype_name(target.scalar_type()), ", expected int64 (class indices)");
   STD_TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target has shape ",
                   shape_str(target), ", expected [", logits.size(0), "] (a class index a row of logits)");
-  logits = unit_last(logits);
+  logits = unit_last(logits, op, "logits");
   p.rows = logits.size(0);
   p.vocab = logits.size(1);
   p.logits = logits.data_ptr();
@@ -43,8 +43,8 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
 std::tuple<Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore_index) {
   const char *op = "fusedops.xent_fwd";
   fo_xent_params p = xent_params(op, logits, target, ignore_index);
-  Tensor loss = empty_1d(logits, p.rows, ScalarType::Float);
-  Tensor lse = empty_1d(logits, p.rows, ScalarType::Float);
+  Tensor loss = empty_1d(logits, p.rows, ScalarType::Float, op, "loss");
+  Tensor lse = empty_1d(logits, p.rows, ScalarType::Float, op, "lse");
   p.loss = static_cast<float *>(loss.data_ptr());
   p.lse = static_cast<float *>(lse.data_ptr());
   if (p.rows > 0)
@@ -63,8 +63,8 @@ Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t 
     STD_TORCH_CHECK(t->dim() == 1 && t->size(0) == p.rows, op, ": ", arg, " has shape ", shape_str(*t),
                     ", expected [", p.rows, "] (a value a row of logits)");
   }
-  lse = unit_last(lse);
-  Tensor dlogits = torch::stable::new_empty(logits, {p.rows, p.vocab}, logits.scalar_type());
+  lse = unit_last(lse, op, "lse");
+  Tensor dlogits = new_output(logits, {p.rows, p.vocab}, logits.scalar_type(), op, "dlogits");
   p.dloss = static_cast<const float *>(dloss.data_ptr());
   p.g_stride = dloss.stride(0);
   p.lse_in = static_cast<const float *>(lse.data_ptr());

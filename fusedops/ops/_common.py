@@ -7,6 +7,7 @@
 - no_double_backward: an autograd formula for a backward op that refuses to be
   differentiated (without it, torch's fallback returns zero second-order
   gradients with only a warning).
+- once_only: the same refusal for the backward of an autograd.Function.
 - register_mutating: the Autograd and ADInplaceOrView kernels of an op that
   writes its inputs (glu_bwd_, glu_packed_bwd_, adam_step). The op bumps the
   version counter of every tensor it writes, as torch's in-place ops do, so that
@@ -15,6 +16,7 @@
   refuses an in-place op on a leaf that requires grad), since the op has no
   gradient formula.
 """
+import functools
 import os
 
 import torch
@@ -101,15 +103,37 @@ def register_autograd(op, backward, setup_context):
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
 
 
+def double_backward_error(name):
+    return RuntimeError(f"fusedops.{name}: double backward is not supported (a backward with "
+                        "create_graph=True, then a gradient of that gradient, as a gradient penalty "
+                        "takes); fusedops ops are differentiable once only")
+
+
 def no_double_backward(op):
     """Make a backward op (fusedops::<op>) raise when a gradient is taken
     through it: gradients of gradients are not implemented."""
     def backward(ctx, *grads):
-        raise RuntimeError(f"fusedops.{op}: a gradient of this backward op was asked for (double "
-                           "backward, e.g. torch.autograd.grad(..., create_graph=True) followed "
-                           "by a second backward); fusedops ops are differentiable once only")
+        raise double_backward_error(op)
 
     register_autograd(op, backward, lambda ctx, inputs, output: None)
+
+
+def once_only(name):
+    """Decorator for the backward of an autograd.Function that cannot itself be
+    differentiated (it calls ops that write their inputs): raise, naming
+    `name`, when it runs under create_graph=True (the engine turns grad mode on
+    for that). torch's once_differentiable is not enough: it raises at the
+    second backward only if the incoming gradient requires grad, so the
+    gradient of out.sum() came back without a graph and without an error,
+    and a gradient penalty built on it silently added nothing."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise double_backward_error(name)
+            return backward(ctx, *grads)
+        return checked
+    return wrap
 
 
 def register_mutating(op):
