@@ -504,7 +504,10 @@ HUGE_CASES = [ln((3, 1000), residual="none"), ln((3, 1000), residual="fp32"), rm
 
 @pytest.mark.parametrize("big", [1e30, 1e38])
 @pytest.mark.parametrize("c", HUGE_CASES, ids=ids(HUGE_CASES))
-def test_rows_with_a_huge_value(device, c, big):
+def test_rows_with_a_huge_value(request, device, c, big):
+    if device == "cuda":  # strict: passes, and so fails, once norm_cuda.cu rescales such rows
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the CUDA kernels do not rescale rows whose "
+                                              "sums overflow yet: all-zero outputs (issue 50, item 7)"))
     inp = make_inputs(c, device)
     n = c.shape[-1]
     inp["x"][:, 123] = big
