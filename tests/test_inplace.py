@@ -212,6 +212,16 @@ def test_rope_on_packed_heads(device, hq, hk):
     assert torch.equal(qkv[:, :, hq + hk:], v), "v's heads were written"
 
 
+def test_rope_on_packed_heads_of_a_long_sequence(device):
+    """The search over the strides stays short however long the sequence."""
+    qkv = randn((1, 70000, 6, 2), torch.float32, device)
+    q, k = qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:5].transpose(1, 2)
+    cos, sin = randn((1, 70000, 2), torch.float32, device), randn((1, 70000, 2), torch.float32, device)
+    want = ops.rope(q, k, cos, sin)
+    ops.rope_(q, k, cos, sin)
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+
+
 def test_rope_tables_may_share_memory(device):
     """cos and sin are only read: one tensor may be both (and a read-only
     broadcast table may be expanded)."""

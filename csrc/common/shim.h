@@ -312,6 +312,14 @@ inline bool share_bytes(const Bytes &a, const Bytes &b) {
   for (auto [stride, size] : b.dims) terms.push_back({stride, -(size - 1), 0});
   terms.push_back({1, -(b.item - 1), a.item - 1});
   std::sort(terms.begin(), terms.end(), [](const Term &x, const Term &y) { return x.coef > y.coef; });
+  // Terms of one coef become one (c v1 + c v2 takes every c v with v in the
+  // summed range): a and b with the same strides then search a term a dim.
+  std::vector<Term> merged;
+  for (const Term &t : terms) {
+    if (!merged.empty() && merged.back().coef == t.coef) merged.back() = {t.coef, merged.back().lo + t.lo, merged.back().hi + t.hi};
+    else merged.push_back(t);
+  }
+  terms.swap(merged);
   std::vector<int64_t> min_from(terms.size() + 1, 0), max_from(terms.size() + 1, 0);
   for (size_t k = terms.size(); k-- > 0;) {
     min_from[k] = min_from[k + 1] + terms[k].coef * terms[k].lo;
