@@ -13,7 +13,7 @@ import torch
 from conftest import raises_unchanged, randn
 
 ops = torch.ops.fusedops
-SHARE = "share memory, expected separate memory"
+SHARE = r"share memory, expected separate tensors"
 OVERLAP = r"whose elements overlap \(a stride of 0, as expand\(\) gives, or strides that overlap\)"
 
 
@@ -129,58 +129,58 @@ OP = {name: rf"fusedops\.{name}: " for name in ("rope_", "glu_bwd_", "glu_packed
 # (op, written argument, what, args(device), override(args, device), message)
 CASES = [
     ("rope_", "q", "q_passed_as_k", rope_args, _rope_q_is_k,
-     OP["rope_"] + r"q \(shape \[2, 4, 5, 8\], strides \[160, 40, 8, 1\]\) and k \(shape \[2, 2, 5, 8\], "
-     r"strides \[160, 40, 8, 1\]\) " + SHARE + r" \(q is written in place\)"),
+     OP["rope_"] + r"q and k " + SHARE + r" \(q is written in place; q has shape \[2, 4, 5, 8\] and strides "
+     r"\[160, 40, 8, 1\], k shape \[2, 2, 5, 8\] and strides \[160, 40, 8, 1\]\)"),
     ("rope_", "q", "expanded", rope_args, _rope_q_expanded,
      OP["rope_"] + r"q has shape \[2, 4, 5, 8\] and strides \[0, 40, 8, 1\], " + OVERLAP),
-    ("rope_", "q", "over_cos", rope_args, _rope_q_over_cos, OP["rope_"] + r"q .* and cos .* " + SHARE),
+    ("rope_", "q", "over_cos", rope_args, _rope_q_over_cos, OP["rope_"] + r"q and cos " + SHARE),
     ("rope_", "k", "expanded", rope_args, _rope_k_expanded,
      OP["rope_"] + r"k has shape \[2, 2, 5, 8\] and strides \[80, 0, 8, 1\], " + OVERLAP),
-    ("rope_", "k", "over_sin", rope_args, _rope_k_over_sin, OP["rope_"] + r"k .* and sin .* " + SHARE),
+    ("rope_", "k", "over_sin", rope_args, _rope_k_over_sin, OP["rope_"] + r"k and sin " + SHARE),
     ("rope_", "k", "meets_q_heads", rope_args, _rope_k_meets_q_heads,
-     OP["rope_"] + r"q .* and k .* " + SHARE),
+     OP["rope_"] + r"q and k " + SHARE),
     ("glu_bwd_", "dout", "is_gate", glu_args, lambda a, d: dict(dout=a["gate"]),
-     OP["glu_bwd_"] + r"dout .* and gate .* " + SHARE),
+     OP["glu_bwd_"] + r"dout and gate " + SHARE),
     ("glu_bwd_", "gate", "overlaps_up", glu_args, lambda a, d: dict(zip(("gate", "up"), _rows_of_one(d, 16))),
-     OP["glu_bwd_"] + r"gate .* and up .* " + SHARE),
+     OP["glu_bwd_"] + r"gate and up " + SHARE),
     ("glu_bwd_", "up", "expanded", glu_args, lambda a, d: dict(up=a["up"][:1].expand(3, 16)),
      OP["glu_bwd_"] + r"up is not contiguous"),
     ("glu_bwd_", "up", "over_dout", glu_args, lambda a, d: dict(zip(("dout", "up"), _rows_of_one(d, 24))),
-     OP["glu_bwd_"] + r"dout .* and up .* " + SHARE),
+     OP["glu_bwd_"] + r"dout and up " + SHARE),
     ("glu_packed_bwd_", "dout", "in_gate_up", glu_packed_args,
      lambda a, d: dict(dout=a["gate_up"].view(-1)[:48].view(3, 16)),
-     OP["glu_packed_bwd_"] + r"dout .* and gate_up .* " + SHARE),
+     OP["glu_packed_bwd_"] + r"dout and gate_up " + SHARE),
     ("glu_packed_bwd_", "gate_up", "expanded", glu_packed_args,
      lambda a, d: dict(gate_up=a["gate_up"][:1].expand(3, 32)), OP["glu_packed_bwd_"] + r"gate_up is not contiguous"),
     ("adam_step", "params", "is_its_exp_avg", adam_args, lambda a, d: dict(exp_avgs=[a["exp_avgs"][0], a["params"][1]]),
-     OP["adam_step"] + r"params\[1\] .* and exp_avgs\[1\] .* " + SHARE + r" \(params\[1\] is written in place\)"),
+     OP["adam_step"] + r"params\[1\] and exp_avgs\[1\] " + SHARE + r" \(params\[1\] is written in place"),
     ("adam_step", "params", "overlap_each_other", adam_args, _two("params", lambda a, d: _buffer_views(d)),
-     OP["adam_step"] + r"params\[0\] \(shape \[4\], strides \[1\]\) and params\[1\] \(shape \[3, 2\], "
-     r"strides \[2, 1\]\) " + SHARE),
+     OP["adam_step"] + r"params\[0\] and params\[1\] " + SHARE + r" \(params\[0\] is written in place; params\[0\] "
+     r"has shape \[4\] and strides \[1\], params\[1\] shape \[3, 2\] and strides \[2, 1\]\)"),
     ("adam_step", "params", "expanded", adam_args, _item("params", 0, lambda a, d: torch.zeros(1, device=d).expand(4)),
      OP["adam_step"] + r"params\[0\] has shape \[4\] and strides that overlap or leave gaps"),
     ("adam_step", "params", "grad_shifted", adam_args,
      lambda a, d: (lambda buf: dict(params=[buf[:4], a["params"][1]], grads=[buf[1:5], a["grads"][1]]))(
          randn((5,), torch.float32, d)),
-     OP["adam_step"] + r"params\[0\] .* and grads\[0\] .* " + SHARE),
+     OP["adam_step"] + r"params\[0\] and grads\[0\] " + SHARE),
     ("adam_step", "exp_avgs", "is_exp_avg_sq", adam_args,
      lambda a, d: dict(exp_avg_sqs=[a["exp_avgs"][0], a["exp_avg_sqs"][1]]),
-     OP["adam_step"] + r"exp_avgs\[0\] .* and exp_avg_sqs\[0\] .* " + SHARE),
+     OP["adam_step"] + r"exp_avgs\[0\] and exp_avg_sqs\[0\] " + SHARE),
     ("adam_step", "exp_avg_sqs", "is_other_grad", adam_args,
      lambda a, d: dict(exp_avg_sqs=[a["exp_avg_sqs"][0], a["grads"][1]]),
-     OP["adam_step"] + r"grads\[1\] .* and exp_avg_sqs\[1\] .* " + SHARE + r" \(exp_avg_sqs\[1\] is written"),
+     OP["adam_step"] + r"grads\[1\] and exp_avg_sqs\[1\] " + SHARE + r" \(exp_avg_sqs\[1\] is written"),
     ("adam_step", "max_exp_avg_sqs", "is_exp_avg_sq", lambda d: adam_args(d, amsgrad=True),
      lambda a, d: dict(max_exp_avg_sqs=[a["max_exp_avg_sqs"][0], a["exp_avg_sqs"][1]]),
-     OP["adam_step"] + r"exp_avg_sqs\[1\] .* and max_exp_avg_sqs\[1\] .* " + SHARE),
+     OP["adam_step"] + r"exp_avg_sqs\[1\] and max_exp_avg_sqs\[1\] " + SHARE),
     ("adam_step", "master_params", "is_exp_avg", lambda d: adam_args(d, torch.bfloat16, master=True),
      lambda a, d: dict(master_params=[a["exp_avgs"][0], a["master_params"][1]]),
-     OP["adam_step"] + r"exp_avgs\[0\] .* and master_params\[0\] .* " + SHARE),
+     OP["adam_step"] + r"exp_avgs\[0\] and master_params\[0\] " + SHARE),
     ("adam_step", "steps", "shared", adam_args, _two("steps", lambda a, d: (a["steps"][0], a["steps"][0])),
-     OP["adam_step"] + r"steps\[0\] .* and steps\[1\] .* " + SHARE),
+     OP["adam_step"] + r"steps\[0\] and steps\[1\] " + SHARE),
     ("adam_step", "steps", "is_lr_tensor", adam_args, lambda a, d: dict(lr_tensor=a["steps"][1]),
-     OP["adam_step"] + r"steps\[1\] .* and lr_tensor .* " + SHARE + r" \(steps\[1\] is written"),
+     OP["adam_step"] + r"steps\[1\] and lr_tensor " + SHARE + r" \(steps\[1\] is written"),
     ("adam_step", "steps", "is_found_inf", adam_args, lambda a, d: dict(found_inf=a["steps"][0]),
-     OP["adam_step"] + r"steps\[0\] .* and found_inf .* " + SHARE),
+     OP["adam_step"] + r"steps\[0\] and found_inf " + SHARE),
 ]
 
 

@@ -358,10 +358,10 @@ inline void check_no_aliasing(const char *op, const std::vector<AliasArg> &args)
       if (!(a.written || b.written) || !same_device(*a.t, *b.t)) continue;
       if (!share_bytes(bytes[order[i]], bytes[order[j]])) continue;
       const AliasArg &w = a.written ? a : b;
-      STD_TORCH_CHECK(false, op, ": ", arg_name(a), " (shape ", shape_str(*a.t), ", strides ",
-                      strides_str(*a.t), ") and ", arg_name(b), " (shape ", shape_str(*b.t), ", strides ",
-                      strides_str(*b.t), ") share memory, expected separate memory (", arg_name(w),
-                      " is written in place)");
+      STD_TORCH_CHECK(false, op, ": ", arg_name(a), " and ", arg_name(b), " share memory, expected separate tensors (",
+                      arg_name(w), " is written in place; ", arg_name(a), " has shape ", shape_str(*a.t),
+                      " and strides ", strides_str(*a.t), ", ", arg_name(b), " shape ", shape_str(*b.t),
+                      " and strides ", strides_str(*b.t), ")");
     }
   }
 }
