@@ -158,6 +158,23 @@ void adam_step(TensorList params, TensorList grads, TensorList exp_avgs, TensorL
   a.param_dtype = pt;
   a.state_dtype = st;
 
+  // Every tensor the step writes, against every tensor it takes (grads and
+  // the scalars are read while other tensors are being written).
+  std::vector<AliasArg> args;
+  auto add = [&](const char *list, const TensorList &l, bool written) {
+    for (size_t i = 0; i < l.size(); ++i) args.push_back({list, static_cast<int64_t>(i), &l[i], written});
+  };
+  add("params", params, true);
+  add("grads", grads, false);
+  add("exp_avgs", exp_avgs, true);
+  add("exp_avg_sqs", exp_avg_sqs, true);
+  add("max_exp_avg_sqs", max_exp_avg_sqs, true);
+  add("master_params", master_params, true);
+  add("steps", steps, true);
+  for (auto [name, t] : {std::pair{"lr_tensor", &lr_tensor}, {"grad_scale", &grad_scale}, {"found_inf", &found_inf}})
+    if (*t) args.push_back({name, -1, &**t, false});
+  check_no_aliasing(kOp, args);
+
   run_kernel(kOp, "params[0]", p0, [&] { return fo_adam_cpu(&a); },
              [&](void *stream) { return fo_adam_cuda(&a, stream); });
 }

@@ -383,3 +383,45 @@ FO_INLINE float fo_sum(const float *restrict v, int64_t n) {
     for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
   return acc[0];
 }
+
+/* ---- long sums ---------------------------------------------------------------
+ * A sum of N terms taken one after the other loses about N roundings (a
+ * row's 16 lanes: N / 16 each), so its error grows with the row. Long sums
+ * are taken in blocks instead: a block (FO_SUM_BLOCK columns of a row, or a
+ * few rows of column sums) is summed as before, and the blocks are added into
+ * the total with Kahan's compensation, which carries the low bits each
+ * addition drops into the next one: the error stays that of one block plus a
+ * few roundings, however many blocks. A sum of one block is the same as
+ * before, bit for bit. */
+enum { FO_SUM_BLOCK = 1024 }; /* columns, a multiple of FO_STEP */
+
+/* The end of the block of a row of n columns that starts at column j0. */
+static inline int64_t fo_block_end(int64_t n, int64_t j0) { return n - j0 > FO_SUM_BLOCK ? j0 + FO_SUM_BLOCK : n; }
+
+/* total[j] += v[j] for j < n, compensated: comp[j] holds what the last
+ * addition into total[j] rounded away (total - comp is the better sum; both
+ * start at 0). Where total[j] is no longer finite, comp[j] is 0: an inf would
+ * turn it into NaN. */
+FO_INLINE void fo_kahan_add(float *restrict total, float *restrict comp, const float *restrict v, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = v[j] - comp[j];
+    const float t = total[j] + y;
+    comp[j] = t - t == 0.0f ? (t - total[j]) - y : 0.0f;
+    total[j] = t;
+  }
+}
+
+/* A row's sum in 16 lanes (fo_sum_lanes) over blocks: fo_lanes_add adds a
+ * block's lanes, fo_lanes_total gives the sum. */
+typedef struct fo_lanes {
+  float total[FO_STEP], comp[FO_STEP];
+} fo_lanes;
+
+FO_INLINE void fo_lanes_add(fo_lanes *s, const fo_vf *acc) { fo_kahan_add(s->total, s->comp, (const float *)acc, FO_STEP); }
+
+FO_INLINE float fo_lanes_total(const fo_lanes *s) {
+  fo_vf r[FO_NV];
+  for (int k = 0; k < FO_NV; ++k)
+    r[k] = *(const fo_vf_at *)(s->total + k * FO_VL) - *(const fo_vf_at *)(s->comp + k * FO_VL);
+  return fo_sum_lanes(r);
+}

@@ -8,11 +8,13 @@
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fo_types.h"
@@ -300,6 +302,164 @@ void run_kernel(const char *op, const char *arg, const Tensor &on, Cpu &&cpu, Cu
   (void)cuda;
   STD_TORCH_CHECK(false, op, ": ", arg, " is on ", device_name(on), ", expected cpu (built without CUDA)");
 #endif
+}
+
+// ---- aliasing: the checks of every op that writes an argument -------------------
+// An op that writes a tensor in place reads and writes its elements on several
+// threads at once, in an order of its own. That is only right when
+//  - each element of a written tensor is stored once: no stride 0 (expand())
+//    or overlapping strides along a dimension of size > 1 (the element would
+//    be updated once for every index that reaches it), and
+//  - no element of a written tensor belongs to another argument: a write
+//    would change what that argument still has to give, or two writes race.
+// check_no_aliasing(op, args) checks both, each written arg against every
+// other arg (two read-only args may share memory), and raises naming the
+// args before anything is written. Views of one buffer that never meet (the
+// q and k heads of a packed q/k/v projection) pass: memory is compared
+// element by element, not by the span from first to last byte.
+struct AliasArg {
+  const char *name;   // the argument, e.g. "q" or "params"
+  int64_t index;      // its place in a tensor list, or -1
+  const Tensor *t;
+  bool written;
+};
+
+namespace alias_detail {
+
+inline std::string arg_name(const AliasArg &a) {
+  return a.index < 0 ? std::string(a.name) : std::string(a.name) + "[" + std::to_string(a.index) + "]";
+}
+
+// One tensor's elements as bytes: the span [lo, hi) from its first to its last
+// byte, and its dimensions of size > 1 and stride != 0 as (stride, size) in bytes.
+struct Bytes {
+  intptr_t lo, hi;
+  int64_t item;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+};
+
+inline Bytes bytes_of(const Tensor &t) {
+  Bytes b{reinterpret_cast<intptr_t>(t.data_ptr()), 0, static_cast<int64_t>(t.element_size()), {}};
+  int64_t last = 0;  // offset of the last element, in bytes
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1 || t.stride(d) == 0) continue;
+    b.dims.emplace_back(t.stride(d) * b.item, t.size(d));
+    last += (t.size(d) - 1) * t.stride(d) * b.item;
+  }
+  b.hi = b.lo + last + b.item;
+  return b;
+}
+
+// Whether every element of t is stored once: t has no dimension of size > 1
+// and stride 0, and, its dimensions taken from the smallest stride up, each
+// stride steps past everything the smaller ones reach (the layout of every
+// view that slicing, transposing or permuting a tensor gives). A layout that
+// passes neither test (as_strided's) is taken as overlapping.
+inline bool stored_once(const Tensor &t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), in elements
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 1;  // elements from the first to one past the last, over the dims so far
+  for (auto [stride, size] : dims) {
+    if (stride < reach) return false;
+    reach += stride * (size - 1);
+  }
+  return true;
+}
+
+// Whether sum_k coef[k] * v[k] == target for some integers lo[k] <= v[k] <=
+// hi[k] (terms sorted by coef, largest first, coef > 0): a search over the
+// terms that keeps, for each, only the values the remaining terms can still
+// make up. With the strides of real views a handful of steps; past `budget`
+// steps the answer is yes (taken as shared: refused, never misread).
+struct Term {
+  int64_t coef, lo, hi;
+};
+
+inline int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+inline int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+inline bool solvable(const std::vector<Term> &terms, const std::vector<int64_t> &min_from,
+                     const std::vector<int64_t> &max_from, size_t k, int64_t target, int64_t &budget) {
+  if (k == terms.size()) return target == 0;
+  if (target < min_from[k] || target > max_from[k]) return false;
+  const Term &t = terms[k];
+  const int64_t v0 = std::max(t.lo, ceil_div(target - max_from[k + 1], t.coef));
+  const int64_t v1 = std::min(t.hi, floor_div(target - min_from[k + 1], t.coef));
+  for (int64_t v = v0; v <= v1; ++v) {
+    if (--budget < 0) return true;
+    if (solvable(terms, min_from, max_from, k + 1, target - v * t.coef, budget)) return true;
+  }
+  return false;
+}
+
+// Whether some byte of an element of a is a byte of an element of b. An
+// element of a at a.lo + sum i_d sa_d and one of b at b.lo + sum j_e sb_e
+// share a byte when the first minus the second lies in [-(a.item - 1),
+// b.item - 1]: sum i_d sa_d - sum j_e sb_e - u = b.lo - a.lo with u in that
+// range, i_d and j_e within their sizes.
+inline bool share_bytes(const Bytes &a, const Bytes &b) {
+  if (a.hi <= b.lo || b.hi <= a.lo) return false;
+  std::vector<Term> terms;
+  for (auto [stride, size] : a.dims) terms.push_back({stride, 0, size - 1});
+  for (auto [stride, size] : b.dims) terms.push_back({stride, -(size - 1), 0});
+  terms.push_back({1, -(b.item - 1), a.item - 1});
+  std::sort(terms.begin(), terms.end(), [](const Term &x, const Term &y) { return x.coef > y.coef; });
+  // Terms of one coef become one (c v1 + c v2 takes every c v with v in the
+  // summed range): a and b with the same strides then search a term a dim.
+  std::vector<Term> merged;
+  for (const Term &t : terms) {
+    if (!merged.empty() && merged.back().coef == t.coef) merged.back() = {t.coef, merged.back().lo + t.lo, merged.back().hi + t.hi};
+    else merged.push_back(t);
+  }
+  terms.swap(merged);
+  std::vector<int64_t> min_from(terms.size() + 1, 0), max_from(terms.size() + 1, 0);
+  for (size_t k = terms.size(); k-- > 0;) {
+    min_from[k] = min_from[k + 1] + terms[k].coef * terms[k].lo;
+    max_from[k] = max_from[k + 1] + terms[k].coef * terms[k].hi;
+  }
+  int64_t budget = 1 << 14;
+  return solvable(terms, min_from, max_from, 0, static_cast<int64_t>(b.lo - a.lo), budget);
+}
+
+inline bool same_device(const Tensor &a, const Tensor &b) {
+  return a.get_device() == b.get_device() && a.get_device_index() == b.get_device_index();
+}
+
+}  // namespace alias_detail
+
+inline void check_no_aliasing(const char *op, const std::vector<AliasArg> &args) {
+  using namespace alias_detail;
+  std::vector<Bytes> bytes;
+  std::vector<size_t> order;  // the nonempty args, by first byte
+  bytes.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    const AliasArg &a = args[i];
+    bytes.push_back(a.t->numel() ? bytes_of(*a.t) : Bytes{0, 0, 0, {}});
+    if (!a.t->numel()) continue;
+    order.push_back(i);
+    STD_TORCH_CHECK(!a.written || stored_once(*a.t), op, ": ", arg_name(a), " has shape ", shape_str(*a.t),
+                    " and strides ", strides_str(*a.t),
+                    ", whose elements overlap (a stride of 0, as expand() gives, or strides that overlap), "
+                    "expected each element stored once (", arg_name(a), " is written in place)");
+  }
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return bytes[x].lo < bytes[y].lo; });
+  // Each arg against those whose span starts before its own ends.
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (size_t j = i + 1; j < order.size() && bytes[order[j]].lo < bytes[order[i]].hi; ++j) {
+      const AliasArg &a = args[std::min(order[i], order[j])], &b = args[std::max(order[i], order[j])];
+      if (!(a.written || b.written) || !same_device(*a.t, *b.t)) continue;
+      if (!share_bytes(bytes[order[i]], bytes[order[j]])) continue;
+      const AliasArg &w = a.written ? a : b;
+      STD_TORCH_CHECK(false, op, ": ", arg_name(a), " and ", arg_name(b), " share memory, expected separate tensors (",
+                      arg_name(w), " is written in place; ", arg_name(a), " has shape ", shape_str(*a.t),
+                      " and strides ", strides_str(*a.t), ", ", arg_name(b), " shape ", shape_str(*b.t),
+                      " and strides ", strides_str(*b.t), ")");
+    }
+  }
 }
 
 }  // namespace fusedops

@@ -11,7 +11,11 @@
  * stored (or x), from L1, converting again. Backward: read dy, s (and ds),
  * write dx; two passes (the sums and the dweight/dbias partials, then dx),
  * xhat and g recomputed in the second. dweight/dbias are summed per thread
- * into fp32 partial rows, then one pass over the partials. Each row function
+ * into fp32 partial rows, then one pass over the partials. Every sum is taken
+ * in blocks added with compensation (cpu_dtype.h, long sums), so that its
+ * error does not grow with the row (or, for dweight/dbias, the rows); a row
+ * whose sums overflow fp32 gets its statistics from a rescaled copy
+ * (rescaled_stats). Each row function
  * is specialised per dtype pair (x, s) and per x86-64 level. Measured (2 Zen 4
  * cores, 16-bit): 1.1-1.7x eager LayerNorm, 4-11x eager RMSNorm, forward and
  * forward+backward (docs/perf-notes.md). Math and layout: norm.h. */
@@ -53,10 +57,12 @@ static float *param_f32(const void *t, fo_dtype dt, int64_t n, float fill) {
 /* ---- forward --------------------------------------------------------------- */
 
 /* Pass 1 over the block of len values at column j: s = x + residual rounded to
- * s's dtype and stored; acc += s (LayerNorm) or s^2 (RMSNorm), lane k into
- * acc[k] (the order of fo_sum; the lanes past len are 0 and add nothing). */
-FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo_vf acc, int64_t j, int len,
-                            const fo_dtype xt, const fo_dtype st) {
+ * s's dtype and stored (when s is not NULL); acc += scale * s (LayerNorm) or
+ * its square (RMSNorm), lane k into acc[k] (the order of fo_sum; the lanes
+ * past len are 0 and add nothing). scale: 1, or the power of two of
+ * rescaled_stats. */
+FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, float scale, fo_vf acc, int64_t j,
+                            int len, const fo_dtype xt, const fo_dtype st) {
   const int ss = fo_dtype_size(st);
   fo_vf v = fo_vload_n(xt, x + j * fo_dtype_size(xt), len);
   if (res) {
@@ -64,7 +70,26 @@ FO_INLINE fo_vf fwd_block_s(int rms, const char *x, const char *res, char *s, fo
   } else if (s) { /* s is x, or x widened to fp32: exact either way */
     fo_vstore_n(st, s + j * ss, v, len);
   }
+  v *= scale;
   return acc + (rms ? v * v : v);
+}
+
+/* Pass 1 over the row, a block of FO_SUM_BLOCK columns at a time (long sums,
+ * cpu_dtype.h): returns the sum of scale * s (RMSNorm: of its squares). */
+FO_INLINE float fwd_pass_s(int rms, const char *x, const char *res, char *s, int64_t n, float scale,
+                           const fo_dtype xt, const fo_dtype st) {
+  fo_lanes sum = {{0}, {0}};
+  for (int64_t j0 = 0; j0 < n; j0 += FO_SUM_BLOCK) {
+    const int64_t end = fo_block_end(n, j0);
+    fo_vf acc[FO_NV] = {{0}}; /* the block's sum in 16 lanes (cpu_dtype.h) */
+    int64_t j = j0;
+    for (; j + FO_STEP <= end; j += FO_STEP)
+      for (int k = 0; k < FO_NV; ++k) acc[k] = fwd_block_s(rms, x, res, s, scale, acc[k], j + k * FO_VL, FO_VL, xt, st);
+    for (int k = 0; k < FO_NV && j < end; ++k, j += FO_VL)
+      acc[k] = fwd_block_s(rms, x, res, s, scale, acc[k], j, fo_tail_len(end, j), xt, st);
+    fo_lanes_add(&sum, acc);
+  }
+  return fo_lanes_total(&sum);
 }
 
 /* Pass 3's weight and bias (NULL: none) of dtype t: fp32 copies padded to
@@ -108,14 +133,82 @@ FO_INLINE void fwd_pass_y(const char *sr, const affine *a, float mean, float rst
   if (j < n) fwd_block_y(sr, a, mean, rstd, y, j, (int)(n - j), t, xt, wt);
 }
 
-/* Pass 2 (LayerNorm) for the block at column j: dev += s - mean and sq +=
- * (s - mean)^2, s read back from sr, of dtype t; the lanes past len would add
- * -mean and mean^2: masked. */
-FO_INLINE void fwd_block_dev(const char *sr, float mean, fo_vf *dev, fo_vf *sq, int64_t j, int len, const fo_dtype t) {
-  fo_vf d = fo_vload_n(t, sr + j * fo_dtype_size(t), len) - mean;
+/* Pass 2 (LayerNorm) for the block at column j: dev += scale * s - mean and
+ * sq += (scale * s - mean)^2, s read back from sr, of dtype t; the lanes past
+ * len would add -mean and mean^2: masked. */
+FO_INLINE void fwd_block_dev(const char *sr, float scale, float mean, fo_vf *dev, fo_vf *sq, int64_t j, int len,
+                             const fo_dtype t) {
+  fo_vf d = fo_vload_n(t, sr + j * fo_dtype_size(t), len) * scale - mean;
   if (len < FO_VL) d = (fo_vf)((fo_vu)d & fo_mask_first(len));
   *dev += d;
   *sq += d * d;
+}
+
+/* The mean and variance (RMSNorm: 0 and the mean square) of scale * s, s read
+ * back from sr, of dtype t, given pass 1's sum. LayerNorm takes pass 2 here:
+ * the corrected two-pass variance. The first pass's mean is off by the
+ * rounding of its sum (at 1000 + N(0, 1) over 65536 columns, ~5e-4, twice
+ * eager's error in y); the deviations' own sum, small and exact to far fewer
+ * bits, corrects it: mean += sum(d) / n, and the squared deviations lose
+ * sum(d)^2 / n (Chan, Golub and LeVeque). */
+FO_INLINE void row_moments(int rms, const char *sr, int64_t n, float sum, float scale, float *mean, float *var,
+                           const fo_dtype t) {
+  *mean = 0.0f;
+  *var = 0.0f;
+  if (n && rms) {
+    *var = sum / (float)n;
+  } else if (n) {
+    const float m = sum / (float)n;
+    fo_lanes dev = {{0}, {0}}, sq = {{0}, {0}};
+    for (int64_t j0 = 0; j0 < n; j0 += FO_SUM_BLOCK) {
+      const int64_t end = fo_block_end(n, j0);
+      fo_vf d[FO_NV] = {{0}}, q[FO_NV] = {{0}};
+      int64_t j = j0;
+      for (; j + FO_STEP <= end; j += FO_STEP)
+        for (int k = 0; k < FO_NV; ++k) fwd_block_dev(sr, scale, m, &d[k], &q[k], j + k * FO_VL, FO_VL, t);
+      for (int k = 0; k < FO_NV && j < end; ++k, j += FO_VL)
+        fwd_block_dev(sr, scale, m, &d[k], &q[k], j, fo_tail_len(end, j), t);
+      fo_lanes_add(&dev, d);
+      fo_lanes_add(&sq, q);
+    }
+    const float d = fo_lanes_total(&dev);
+    *mean = m + d / (float)n;
+    /* at least 0, and NaN where the sums overflowed (fmaxf would give 0) */
+    const float v = fo_lanes_total(&sq) - d * d / (float)n;
+    *var = (v < 0.0f ? 0.0f : v) / (float)n;
+  }
+}
+
+/* The largest |s| of the row read back from sr, of dtype t (NaN lanes
+ * skipped). */
+FO_INLINE float row_amax(const char *sr, int64_t n, const fo_dtype t) {
+  fo_vf m = {0};
+  for (int64_t j = 0; j < n; j += FO_VL) {
+    const fo_vf v = (fo_vf)((fo_vu)fo_vload_n(t, sr + j * fo_dtype_size(t), fo_tail_len(n, j)) & 0x7FFFFFFFu);
+    m = fo_vselect(v > m, v, m);
+  }
+  float r = 0.0f;
+  for (int k = 0; k < FO_VL; ++k) r = m[k] > r ? m[k] : r;
+  return r;
+}
+
+/* A row whose sums overflow fp32 (a sum of squares past 3.4e38: values from
+ * about 1e19 on), which would give rstd = 0 or NaN where the true outputs
+ * are bounded (LayerNorm's by sqrt(n - 1)): its statistics are taken again
+ * on the row times a power of two that brings its largest |value| into
+ * [2, 4) (exact, and never a subnormal factor), then scaled back. A row
+ * holding an inf or NaN keeps the plain result (not finite, as torch's). */
+FO_INLINE void rescaled_stats(int rms, const char *sr, int64_t n, float eps, float *mean, float *rstd,
+                              const fo_dtype t) {
+  const float amax = row_amax(sr, n, t);
+  if (!isfinite(amax) || amax == 0.0f) return;
+  int e;
+  frexpf(amax, &e); /* amax in [2^(e-1), 2^e), e <= 128 */
+  const float scale = ldexpf(1.0f, 2 - e);
+  float m, v;
+  row_moments(rms, sr, n, fwd_pass_s(rms, sr, NULL, NULL, n, scale, t, t), scale, &m, &v, t);
+  *mean = m / scale;
+  *rstd = scale / sqrtf(v + eps * scale * scale);
 }
 
 /* Passes 2 (LayerNorm: the squared deviations from the mean) and 3 (y = (s -
@@ -126,27 +219,10 @@ FO_INLINE void fwd_block_dev(const char *sr, float mean, fo_vf *dev, fo_vf *sq, 
 FO_INLINE void fwd_rest(const fo_norm_fwd_params *p, int64_t r, const char *sr, float sum, const affine *a, char *y,
                         const fo_dtype t, const fo_dtype xt, const char *nx, const char *nr, const fo_dtype st) {
   const int64_t n = p->cols;
-  float mean = 0.0f, var = 0.0f;
-  int64_t j;
-  if (n && p->rms) {
-    var = sum / (float)n;
-  } else if (n) {
-    /* The corrected two-pass variance: the first pass's mean is off by the
-     * rounding of a sum of n values in 16 lanes (at 1000 + N(0, 1) over 65536
-     * columns, ~5e-4, twice eager's error in y); the deviations' own sum, small
-     * and exact to far fewer bits, corrects it: mean += sum(d) / n, and the
-     * squared deviations lose sum(d)^2 / n (Chan, Golub and LeVeque). */
-    mean = sum / (float)n;
-    fo_vf dev[FO_NV] = {{0}}, sq[FO_NV] = {{0}};
-    for (j = 0; j + FO_STEP <= n; j += FO_STEP)
-      for (int k = 0; k < FO_NV; ++k) fwd_block_dev(sr, mean, &dev[k], &sq[k], j + k * FO_VL, FO_VL, t);
-    for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
-      fwd_block_dev(sr, mean, &dev[k], &sq[k], j, fo_tail_len(n, j), t);
-    const float d = fo_sum_lanes(dev);
-    mean += d / (float)n;
-    var = fmaxf(fo_sum_lanes(sq) - d * d / (float)n, 0.0f) / (float)n;
-  }
-  const float rstd = 1.0f / sqrtf(var + p->eps);
+  float mean, var;
+  row_moments(p->rms, sr, n, sum, 1.0f, &mean, &var, t);
+  float rstd = 1.0f / sqrtf(var + p->eps);
+  if (!isfinite(mean) || !isfinite(var)) rescaled_stats(p->rms, sr, n, p->eps, &mean, &rstd, t);
   if (a->t == FO_F32) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F32, nx, nr, st);
   else if (a->t == FO_BF16) fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_BF16, nx, nr, st);
   else fwd_pass_y(sr, a, mean, rstd, y, n, t, xt, FO_F16, nx, nr, st);
@@ -163,13 +239,7 @@ FO_INLINE void fwd_row_t(const fo_norm_fwd_params *p, int64_t r, const affine *a
   char *s = p->s ? (char *)p->s + (size_t)(r * n) * fo_dtype_size(st) : NULL;
   char *y = (char *)p->y + (size_t)(r * n) * fo_dtype_size(xt);
   const int rms = p->rms; /* a local: the stores through s could alias *p */
-  fo_vf acc[FO_NV] = {{0}}; /* the sum in 16 lanes (cpu_dtype.h) */
-  int64_t j = 0;
-  for (; j + FO_STEP <= n; j += FO_STEP)
-    for (int k = 0; k < FO_NV; ++k) acc[k] = fwd_block_s(rms, x, res, s, acc[k], j + k * FO_VL, FO_VL, xt, st);
-  for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
-    acc[k] = fwd_block_s(rms, x, res, s, acc[k], j, fo_tail_len(n, j), xt, st);
-  const float sum = fo_sum_lanes(acc);
+  const float sum = fwd_pass_s(rms, x, res, s, n, 1.0f, xt, st);
   const int pf = a->stream && r + 1 < p->rows;
   const char *nx = pf ? row_ptr(p->x, xt, r + 1, p->x_stride) : NULL;
   const char *nr = pf && res ? row_ptr(p->residual, st, r + 1, p->res_stride) : NULL;
@@ -221,12 +291,26 @@ FO_ENTRY(const char *, fo_norm_fwd_cpu, (const fo_norm_fwd_params *p), (p))
 
 /* ---- backward -------------------------------------------------------------- */
 
+/* dweight / dbias: each thread sums dy * xhat and dy over its rows into a
+ * partial row, and every ROW_BLOCK rows adds that row into its total with
+ * Kahan's compensation (long sums, cpu_dtype.h), so that the sums' error does
+ * not grow with the rows a thread takes. The workspace holds PART_ROWS rows
+ * a thread for each: the partial row, the total, the compensation. */
+enum { ROW_BLOCK = 64, PART_ROWS = 3 };
+
 #if FO_LEVEL == 0
 int64_t fo_norm_bwd_cpu_parts(const fo_norm_bwd_params *p) {
   (void)p;
-  return omp_get_max_threads();
+  return PART_ROWS * omp_get_max_threads();
 }
 #endif
+
+/* A thread's partial row part (PART_ROWS rows of n) added into its total,
+ * and zeroed. */
+static void flush_part(float *part, int64_t n) {
+  fo_kahan_add(part + n, part + 2 * n, part, n);
+  for (int64_t j = 0; j < n; ++j) part[j] = 0.0f;
+}
 
 /* The backward's per-row inputs. */
 typedef struct bwd_row_in {
@@ -299,15 +383,22 @@ FO_INLINE void bwd_row_t(const fo_norm_bwd_params *p, int64_t r, const float *w,
   const bwd_row_in in = bwd_inputs(p, r, xt, st);
   const int ahead = stream && r + 1 < p->rows;
   const bwd_row_in next = ahead ? bwd_inputs(p, r + 1, xt, st) : in;
-  fo_vf ag[FO_NV] = {{0}}, agx[FO_NV] = {{0}}; /* sums of g, of g * xhat in 16 lanes */
-  int64_t j = 0;
-  for (; j + FO_STEP <= n; j += FO_STEP)
-    for (int k = 0; k < FO_NV; ++k) bwd_block_sums(&in, w, pw, pb, &ag[k], &agx[k], j + k * FO_VL, FO_VL, xt, st);
-  for (int k = 0; k < FO_NV && j < n; ++k, j += FO_VL)
-    bwd_block_sums(&in, w, pw, pb, &ag[k], &agx[k], j, fo_tail_len(n, j), xt, st);
-  const float mean_g = p->rms ? 0.0f : fo_sum_lanes(ag) / (float)n;
-  const float mean_gx = fo_sum_lanes(agx) / (float)n;
+  fo_lanes ag = {{0}, {0}}, agx = {{0}, {0}}; /* sums of g, of g * xhat, a block at a time (long sums) */
+  for (int64_t j0 = 0; j0 < n; j0 += FO_SUM_BLOCK) {
+    const int64_t end = fo_block_end(n, j0);
+    fo_vf g[FO_NV] = {{0}}, gx[FO_NV] = {{0}}; /* the block's, in 16 lanes */
+    int64_t j = j0;
+    for (; j + FO_STEP <= end; j += FO_STEP)
+      for (int k = 0; k < FO_NV; ++k) bwd_block_sums(&in, w, pw, pb, &g[k], &gx[k], j + k * FO_VL, FO_VL, xt, st);
+    for (int k = 0; k < FO_NV && j < end; ++k, j += FO_VL)
+      bwd_block_sums(&in, w, pw, pb, &g[k], &gx[k], j, fo_tail_len(end, j), xt, st);
+    fo_lanes_add(&ag, g);
+    fo_lanes_add(&agx, gx);
+  }
+  const float mean_g = p->rms ? 0.0f : fo_lanes_total(&ag) / (float)n;
+  const float mean_gx = fo_lanes_total(&agx) / (float)n;
   char *dx = (char *)p->dx + (size_t)(r * n) * fo_dtype_size(st);
+  int64_t j;
   for (j = 0; j + FO_VL <= n; j += FO_VL)
     bwd_block_dx(&in, ahead ? &next : NULL, w, mean_g, mean_gx, dx, j, FO_VL, xt, st);
   if (j < n) bwd_block_dx(&in, NULL, w, mean_g, mean_gx, dx, j, (int)(n - j), xt, st);
@@ -332,33 +423,46 @@ const char *FO_FN(fo_norm_bwd_cpu)(const fo_norm_bwd_params *p) {
   const int64_t moved = p->rows * n * (fo_dtype_size(p->x_dtype) + 3 * fo_dtype_size(p->s_dtype));
   const int stream = p->s_dtype == FO_F32 && fo_cpu_stream(moved);
 
-#pragma omp parallel num_threads((int)(want_partial ? p->parts : omp_get_max_threads())) \
+#pragma omp parallel num_threads((int)(want_partial ? p->parts / PART_ROWS : omp_get_max_threads())) \
     if (fo_parallel(p->rows, p->rows * n))
   {
     float *pw = NULL, *pb = NULL;
 #pragma omp single
     used = omp_get_num_threads();
     if (want_partial) {
-      /* this thread's partial rows; zeroed here, so threads given no rows add nothing */
+      /* this thread's rows; zeroed here, so threads given no rows add nothing */
       const int64_t t = omp_get_thread_num();
-      pw = p->partial + t * n;
-      pb = p->partial + (p->parts + t) * n;
-      for (int64_t j = 0; j < n; ++j) pw[j] = pb[j] = 0.0f;
+      pw = p->partial + PART_ROWS * t * n;
+      pb = p->partial + (p->parts + PART_ROWS * t) * n;
+      for (int64_t j = 0; j < PART_ROWS * n; ++j) pw[j] = pb[j] = 0.0f;
     }
+    if (!p->dweight) pw = NULL;
+    if (!p->dbias) pb = NULL;
+    int64_t done = 0; /* rows this thread took */
 #pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, w, p->dweight ? pw : NULL, p->dbias ? pb : NULL, stream);
+    for (int64_t r = 0; r < p->rows; ++r) {
+      bwd_row(p, r, w, pw, pb, stream);
+      if (++done % ROW_BLOCK == 0) {
+        if (pw) flush_part(pw, n);
+        if (pb) flush_part(pb, n);
+      }
+    }
+    if (pw) flush_part(pw, n);
+    if (pb) flush_part(pb, n);
     if (stream) fo_stream_fence();
   }
   free(w);
 
   if (want_partial) {
-    /* one pass over the partial rows: dweight[j] = sum_t partial[0][t][j] */
+    /* one pass over the threads' totals (less their compensations):
+     * dweight[j] = sum_t total_t[j] - comp_t[j] */
 #pragma omp parallel for schedule(static) if (fo_parallel(n, used * n))
     for (int64_t j = 0; j < n; ++j) {
       float sw = 0.0f, sb = 0.0f;
       for (int64_t t = 0; t < used; ++t) {
-        sw += p->partial[t * n + j];
-        sb += p->partial[(p->parts + t) * n + j];
+        const float *tw = p->partial + PART_ROWS * t * n, *tb = p->partial + (p->parts + PART_ROWS * t) * n;
+        sw += tw[n + j] - tw[2 * n + j];
+        sb += tb[n + j] - tb[2 * n + j];
       }
       sum[j] = sw;
       sum[n + j] = sb;

@@ -89,6 +89,8 @@ void rope_(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
   for (const Tensor *t : {&q, &k})
     STD_TORCH_CHECK(is_unit_last(*t), op, ": ", t == &q ? "q" : "k", " has strides ",
                     strides_str(*t), ", expected unit stride along head_dim (the last dimension) to rotate it in place");
+  check_no_aliasing(op, {{"q", -1, &q, true}, {"k", -1, &k, true}, {"cos", -1, &cos, false},
+                         {"sin", -1, &sin, false}});
   run(op, q, k, cos, sin, inverse, q, k);
 }
 

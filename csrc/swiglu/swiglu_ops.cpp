@@ -121,25 +121,18 @@ std::tuple<Tensor, Tensor, Tensor> glu_bwd_recompute(Tensor dout, Tensor gate, T
   return {out, dgate, dup};
 }
 
-// The in-place backward ops write every tensor they take: each must be dense,
-// and no two may share memory (each element is read, then written with
-// another result: a shared one would end up holding either).
+// The in-place backward ops write every tensor they take: each must be
+// contiguous (the kernel reads and writes it as rows of one stride), and no
+// two may share memory (each element is read, then written with another
+// result: a shared one would end up holding either).
 void check_overwritable(const char *op, std::initializer_list<std::pair<const char *, const Tensor *>> ts) {
-  for (const auto &[arg, t] : ts)
+  std::vector<AliasArg> args;
+  for (const auto &[arg, t] : ts) {
     STD_TORCH_CHECK(t->is_contiguous(), op, ": ", arg,
                     " is not contiguous, expected a contiguous tensor (it is written in place)");
-  for (auto a = ts.begin(); a != ts.end(); ++a)
-    for (auto b = a + 1; b != ts.end(); ++b) {
-      const Tensor &x = *a->second, &y = *b->second;
-      if (x.numel() == 0 || y.numel() == 0 || x.get_device() != y.get_device() ||
-          x.get_device_index() != y.get_device_index())
-        continue;
-      const char *x0 = static_cast<const char *>(x.data_ptr()), *y0 = static_cast<const char *>(y.data_ptr());
-      const bool overlap = x0 < y0 + y.numel() * (int64_t)y.element_size() &&
-                           y0 < x0 + x.numel() * (int64_t)x.element_size();
-      STD_TORCH_CHECK(!overlap, op, ": ", a->first, " and ", b->first,
-                      " share memory, expected separate tensors (each is written in place)");
-    }
+    args.push_back({arg, -1, t, true});
+  }
+  check_no_aliasing(op, args);
 }
 
 // In place, for a caller that has no further use for its inputs
