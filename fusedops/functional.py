@@ -28,8 +28,9 @@ def autocast_dtype(device_type):
 #   list) on every device; so flash_attention, qkv_attention and glu_mlp too
 #   (attention and linear layers).
 # - cross_entropy: computed in fp32 (fp32 list) on every device: an fp32 loss.
-# - layer_norm, rms_norm: computed in fp32 on CUDA (fp32 list); on no list on
-#   the CPU, where they stay in x's dtype.
+# - layer_norm, rms_norm: computed in fp32 on CUDA where the release lists them
+#   (fp32 list; _cuda_autocast_fp32); on no list on the CPU, where they stay
+#   in x's dtype.
 # The fused residual forms (fused_add_*_norm) are no torch op: they keep their
 # inputs' dtypes.
 def _lower_precision(*ts):
@@ -42,9 +43,28 @@ def _lower_precision(*ts):
     return tuple(t.to(dt) for t in ts)
 
 
-def _norm_input(x):
-    """x as CUDA autocast hands it to layer_norm / rms_norm: in fp32."""
-    if x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and autocast_dtype("cuda"):
+_CUDA_AUTOCAST_FP32 = {}
+
+
+def _cuda_autocast_fp32(op):
+    """Whether CUDA autocast runs torch's `op` (layer_norm, rms_norm) in fp32.
+    Its lists change between releases (rms_norm joined the fp32 list after
+    2.11), so torch is asked once, on a tiny tensor; under torch.compile, where
+    no such call may be traced, before that answer the fp32 list is assumed."""
+    if op not in _CUDA_AUTOCAST_FP32:
+        if torch.compiler.is_compiling():
+            return True
+        x = torch.ones(1, 8, device="cuda", dtype=torch.float16)
+        with torch.autocast("cuda", dtype=torch.float16):
+            _CUDA_AUTOCAST_FP32[op] = getattr(F, op)(x, (8,)).dtype == torch.float32
+    return _CUDA_AUTOCAST_FP32[op]
+
+
+def _norm_input(x, op):
+    """x as CUDA autocast hands it to torch's `op`: in fp32 where that op is
+    on autocast's fp32 list."""
+    if (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and autocast_dtype("cuda")
+            and _cuda_autocast_fp32(op)):
         return x.float()
     return x
 
@@ -84,12 +104,12 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, residual_in_fp32=Fals
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the last dimension of x (in fp32 under CUDA autocast, as torch's)."""
-    return _add_norm(_norm_input(x), None, weight, bias, eps, False, False)[0]
+    return _add_norm(_norm_input(x, "layer_norm"), None, weight, bias, eps, False, False)[0]
 
 
 def rms_norm(x, weight=None, eps=1e-6):
-    """RMSNorm over the last dimension of x (in fp32 under CUDA autocast, as torch's)."""
-    return _add_norm(_norm_input(x), None, weight, None, eps, True, False)[0]
+    """RMSNorm over the last dimension of x (in fp32 under CUDA autocast where torch's is)."""
+    return _add_norm(_norm_input(x, "rms_norm"), None, weight, None, eps, True, False)[0]
 
 
 def swiglu(gate, up):
@@ -359,6 +379,18 @@ def _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa):
     return None
 
 
+def _torch_sdpa(q, k, v, **kwargs):
+    """torch's scaled_dot_product_attention. Where it returns no tensor (torch
+    2.11's CUDA backends on inputs with no batch, no heads or head dim 0), its
+    math backend, which gives the empty result and its gradients."""
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if out is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return out
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention, same signature and
@@ -371,9 +403,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         # Nothing to compute (no queries, keys, heads or batch): torch's function
         # gives torch's shape, and for no keys its backend's values.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return _torch_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
     q, k, v = _lower_precision(q, k, v)
     gap = _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa)
     if gap is not None:
@@ -383,9 +414,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             _warned.add(gap)
             warnings.warn(f"fusedops.functional.scaled_dot_product_attention: {gap} is not "
                           "supported by fusedops' kernels; calling torch's", stacklevel=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return _torch_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
     lead = q.shape[:-3]
 
     def bshd(t):  # (..., H, S, D) -> (B, S, H, D): a view for 3-D and 4-D tensors
@@ -593,7 +623,7 @@ def qkv_attention(x, q_weight, k_weight, v_weight, cos, sin, num_heads, num_kv_h
     q, k = reference.rope(heads(lin(x, q_weight, q_bias), num_heads),
                           heads(lin(x, k_weight, k_bias), num_kv_heads), cos, sin, 1)
     v = heads(lin(x, v_weight, v_bias), num_kv_heads)
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = _torch_sdpa(
         q, k, v, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads)
     out = out.transpose(1, 2).reshape(*x.shape[:-1], num_heads * out.shape[-1])
     return (out, k.detach(), v.detach()) if return_kv else out
