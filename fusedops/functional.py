@@ -381,13 +381,14 @@ def _sdpa_gap(q, k, v, attn_mask, dropout_p, enable_gqa):
 
 def _torch_sdpa(q, k, v, **kwargs):
     """torch's scaled_dot_product_attention. Where it returns no tensor (torch
-    2.11's CUDA backends on inputs with no batch, no heads or head dim 0), its
-    math backend, which gives the empty result and its gradients."""
+    2.11's CUDA SDPA on an empty batch, no heads or head dim 0, inputs whose
+    result is empty), the result of its math: the empty tensor, with its
+    gradients."""
     out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     if out is None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        if 0 < k.shape[-3] != q.shape[-3]:  # grouped-query heads
+            k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], -3) for t in (k, v))
+        out = (q @ k.transpose(-2, -1)).softmax(-1) @ v
     return out
 
 
