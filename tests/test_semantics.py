@@ -382,6 +382,9 @@ HUGE = 1 << 46  # elements: 2^48 bytes of fp32 and more
     ("glu_fwd", lambda t: ops.glu_fwd(t.expand(HUGE, 4), t.expand(HUGE, 4), "silu")),
     ("glu_packed_fwd", lambda t: ops.glu_packed_fwd(t.expand(HUGE, 8), "silu")),
     ("attn_fwd", lambda t: ops.attn_fwd(*[t.reshape(1, 1, 1, 1).expand(HUGE, 1, 1, 32)] * 3, 1.0, False)),
+    ("add_norm_fwd", lambda t: ops.add_norm_fwd(t.expand(HUGE, 4), None, None, None, 1e-5, True, False)),
+    ("rope", lambda t: ops.rope(*[t.reshape(1, 1, 1, 1).expand(HUGE, 1, 1, 4)] * 2,
+                                *[t.reshape(1, 1, 1).expand(1, 1, 4)] * 2)),
 ], ids=lambda c: c[0])
 def test_out_of_memory_names_the_op(device, call):
     name, fn = call

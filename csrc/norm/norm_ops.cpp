@@ -54,10 +54,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(Tensor x, OptTensor resi
   const bool store_s = residual || st != xt;
   const int64_t rows = numel_rows(x);
 
-  Tensor y = empty_like_shape(x, x.scalar_type());
-  Tensor s = store_s ? empty_like_shape(x, scalar_type_of(st)) : empty_1d(x, 0, x.scalar_type());
-  Tensor mean = empty_1d(x, rms || !stats ? 0 : rows, ScalarType::Float);
-  Tensor rstd = empty_1d(x, stats ? rows : 0, ScalarType::Float);
+  Tensor y = empty_like_shape(x, x.scalar_type(), op, "y");
+  Tensor s = store_s ? empty_like_shape(x, scalar_type_of(st), op, "s") : empty_1d(x, 0, x.scalar_type(), op, "s");
+  Tensor mean = empty_1d(x, rms || !stats ? 0 : rows, ScalarType::Float, op, "mean");
+  Tensor rstd = empty_1d(x, stats ? rows : 0, ScalarType::Float, op, "rstd");
   if (rows == 0) return {y, s, mean, rstd};
 
   RowView xv = row_view(x);
@@ -121,9 +121,9 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
   }
 
   const ScalarType pt = weight ? weight->scalar_type() : bias ? bias->scalar_type() : dy.scalar_type();
-  Tensor dx = empty_like_shape(s, s.scalar_type());
-  Tensor dw = empty_1d(s, need_dweight ? cols : 0, pt);
-  Tensor db = empty_1d(s, need_dbias ? cols : 0, pt);
+  Tensor dx = empty_like_shape(s, s.scalar_type(), op, "dx");
+  Tensor dw = empty_1d(s, need_dweight ? cols : 0, pt, op, "dweight");
+  Tensor db = empty_1d(s, need_dbias ? cols : 0, pt, op, "dbias");
 
   fo_norm_bwd_params p{};
   p.rows = rows;
@@ -159,7 +159,7 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
   Tensor partial;
   auto with_parts = [&](int64_t parts) {
     p.parts = parts;
-    partial = torch::stable::new_empty(s, {2, parts, cols}, ScalarType::Float);
+    partial = new_output(s, {2, parts, cols}, ScalarType::Float, op, "the dweight / dbias partial sums");
     p.partial = static_cast<float *>(partial.data_ptr());
   };
   run_kernel(op, "s", s,

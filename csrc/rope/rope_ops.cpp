@@ -36,9 +36,9 @@ void check_table(const char *op, const char *arg, const Tensor &t, const Tensor 
 // inverse's (the backward's, on output gradients) is [B, S, H, D] in memory:
 // the layout of the projections the gradients flow back into, which then
 // takes no copy.
-Tensor out_like(const Tensor &x, bool inverse) {
-  if (!inverse) return torch::stable::new_empty(x, {x.size(0), x.size(1), x.size(2), x.size(3)}, x.scalar_type());
-  Tensor o = torch::stable::new_empty(x, {x.size(0), x.size(2), x.size(1), x.size(3)}, x.scalar_type());
+Tensor out_like(const char *op, const char *name, const Tensor &x, bool inverse) {
+  if (!inverse) return new_output(x, {x.size(0), x.size(1), x.size(2), x.size(3)}, x.scalar_type(), op, name);
+  Tensor o = new_output(x, {x.size(0), x.size(2), x.size(1), x.size(3)}, x.scalar_type(), op, name);
   return torch::stable::transpose(o, 1, 2);
 }
 
@@ -58,7 +58,7 @@ void check_args(const char *op, const Tensor &q, const Tensor &k, const Tensor &
 // Rotates q into qo and k into ko (which may be q and k themselves).
 void run(const char *op, const Tensor &q, const Tensor &k, Tensor cos, Tensor sin, bool inverse,
          const Tensor &qo, const Tensor &ko) {
-  cos = unit_last(cos), sin = unit_last(sin);
+  cos = unit_last(cos, op, "cos"), sin = unit_last(sin, op, "sin");
   fo_rope_params p{};
   p.t[0] = rope_tensor(q, qo);
   p.t[1] = rope_tensor(k, ko);
@@ -77,8 +77,8 @@ void run(const char *op, const Tensor &q, const Tensor &k, Tensor cos, Tensor si
 std::tuple<Tensor, Tensor> rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse) {
   const char *op = "fusedops.rope";
   check_args(op, q, k, cos, sin);
-  q = unit_last(q), k = unit_last(k);
-  Tensor qo = out_like(q, inverse), ko = out_like(k, inverse);
+  q = unit_last(q, op, "q"), k = unit_last(k, op, "k");
+  Tensor qo = out_like(op, "the rotated q", q, inverse), ko = out_like(op, "the rotated k", k, inverse);
   run(op, q, k, cos, sin, inverse, qo, ko);
   return {qo, ko};
 }
