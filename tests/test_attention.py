@@ -218,29 +218,21 @@ def test_against_reference_deterministic(device, c):
     fused_and_check(c, device, deterministic=True)
 
 
-# On an H100 head dims 64 and 128 take the wgmma kernels
-# (attention_{fwd,bwd}_wgmma_cuda.cu); FUSEDOPS_ATTN_WGMMA=0 sends them to the
-# mma.sync kernels that other GPUs run, checked here on the same cases.
+# On an H100 / H200 head dims 64 and 128 take the warp-specialised wgmma
+# kernels (attention_{fwd,bwd}_wgmma_cuda.cu, TMA loads). FUSEDOPS_ATTN_WGMMA=0
+# sends them to the mma.sync kernels that other GPUs run, =1 to the wgmma
+# kernels before warp specialisation (which also serve the layouts a tensor
+# map cannot describe): the same cases on each.
 SM80_CASES = [c for c in DTYPE_CASES + SEQ_CASES + GQA_CASES + LAYOUT_CASES + CUDA_CASES
               if c.dtype != torch.float32 and c.D in (64, 128)]
 
 
+@pytest.mark.parametrize("kernels", ["0", "1"], ids=["mma_sync", "wgmma_v0"])
 @pytest.mark.parametrize("c", SM80_CASES, ids=ids(SM80_CASES))
-def test_against_reference_mma_sync(device, c, monkeypatch):
+def test_against_reference_kernel_choice(device, c, kernels, monkeypatch):
     if device == "cpu":
         pytest.skip("a CUDA kernel choice")
-    monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", "0")
-    fused_and_check(c, device)
-
-
-# By default a Hopper GPU runs the warp-specialised wgmma kernels (TMA loads);
-# FUSEDOPS_ATTN_WGMMA=1 keeps the wgmma kernels before them, which also serve
-# the layouts a tensor map cannot describe: the same cases on those.
-@pytest.mark.parametrize("c", SM80_CASES, ids=ids(SM80_CASES))
-def test_against_reference_wgmma_v0(device, c, monkeypatch):
-    if device == "cpu":
-        pytest.skip("a CUDA kernel choice")
-    monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", "1")
+    monkeypatch.setenv("FUSEDOPS_ATTN_WGMMA", kernels)
     fused_and_check(c, device)
 
 
