@@ -12,11 +12,23 @@
  * alike). lse is fp32 [B, Hq, Sq] (natural log), strides for batch, head, seq.
  * Grouped-query attention: q head h reads k/v head h / (Hq / Hkv).
  *
- * causal follows torch's scaled_dot_product_attention(is_causal=True): the
- * top-left aligned mask tril(ones(Sq, Sk)), i.e. query i sees keys j <= i, for
- * Sq != Sk too. A row with no visible key (only when Sk == 0) has out = 0 and
- * lse = -inf, as torch gives. All math is fp32; inputs and outputs share one
- * dtype. */
+ * Masks: query i of a sequence of sq queries and sk keys sees the keys j with
+ *   i + diag - window_left <= j <= i + diag + window_right,   0 <= j < sk
+ * (a negative window side is unbounded). diag is 0 in the padded layout (the
+ * top-left alignment of torch's scaled_dot_product_attention(is_causal=True):
+ * query i sees keys j <= i, for Sq != Sk too) and sk - sq within a varlen
+ * sequence (FlashAttention's bottom-right alignment). causal is window_right
+ * = 0; the shim folds it in, so kernels read the window only (fo_attn_keys).
+ * A row with no visible key has out = 0 and lse = -inf, as torch gives.
+ * softcap > 0 replaces each scaled score s by softcap tanh(s / softcap).
+ *
+ * Varlen (cu_seqlens_q != NULL): B sequences packed along the seq dimension;
+ * sequence b has queries cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and keys
+ * likewise from cu_seqlens_k (int32, on q's device); Sq, Sk are the longest
+ * sequence's lengths; batch strides are unused; lse is [Hq, total_q]
+ * (lse_st.head = total_q, lse_st.seq = 1) and each sequence's rows start at
+ * its cu_seqlens_q entry there too. All math is fp32; inputs and outputs
+ * share one dtype. */
 #pragma once
 #include "../common/fo_types.h"
 
@@ -46,13 +58,29 @@ typedef struct fo_attn_params {
   float *workspace;          /* backward: fp32 scratch, size from fo_attn_bwd_*_workspace */
   int64_t splits;            /* backward (CPU): key-tile splits, fo_attn_bwd_cpu_splits() */
   float scale;
-  int causal;
+  int causal;                /* window_left < 0 && window_right == 0: the kernels' causal case */
+  int64_t window_left, window_right; /* set by the shim (causal folded in); -1: unbounded */
+  float softcap;             /* 0: none */
+  const int32_t *cu_seqlens_q, *cu_seqlens_k; /* varlen: B + 1 offsets each; NULL: padded */
   int deterministic;         /* backward: bitwise-repeatable gradients */
   int wgmma;                 /* CUDA: the Hopper kernels take the call; the shim sets it once
                                 (fo_attn_wgmma_applies), so that the backward's workspace size
                                 and its launches agree */
   fo_dtype dtype;
 } fo_attn_params;
+
+/* Whether any window side is bounded (causal included). */
+FO_ATTN_HD static inline int fo_attn_banded(const fo_attn_params *p) {
+  return p->window_left >= 0 || p->window_right >= 0;
+}
+/* The keys [*lo, *hi) that query i of a sequence of sq queries and sk keys
+ * sees (*lo >= *hi: none): the rule above, for kernels and planners alike. */
+FO_ATTN_HD static inline void fo_attn_keys(const fo_attn_params *p, int64_t i, int64_t sq, int64_t sk,
+                                           int64_t *lo, int64_t *hi) {
+  const int64_t c = i + (p->cu_seqlens_q ? sk - sq : 0);
+  *lo = p->window_left >= 0 && c - p->window_left > 0 ? c - p->window_left : 0;
+  *hi = p->window_right >= 0 && c + p->window_right + 1 < sk ? c + p->window_right + 1 : sk;
+}
 
 /* CPU (attention_cpu.c): C11 + OpenMP, tiled online softmax, O(S) extra memory.
  * Always deterministic for a given thread count; with p->deterministic set

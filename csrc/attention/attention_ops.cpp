@@ -100,6 +100,8 @@ fo_attn_params make_params(const Tensor &q, const Tensor &k, const Tensor &v, do
   p.v_st = bshd_strides(v);
   p.scale = static_cast<float>(scale);
   p.causal = causal;
+  p.window_left = -1;
+  p.window_right = causal ? 0 : -1;
   p.dtype = dt;
   return p;
 }
