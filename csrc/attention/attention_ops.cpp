@@ -158,15 +158,17 @@ void check_cu_values(const char *op, const char *arg, const Tensor &cu, int64_t 
   const int32_t *c = static_cast<const int32_t *>(host.data_ptr());
   const int64_t n = host.size(0), st = host.stride(0);
   STD_TORCH_CHECK(c[0] == 0, op, ": ", arg, "[0] is ", c[0], ", expected 0 (the prefix sums of the sequence lengths)");
+  for (int64_t b = 0; b + 1 < n; ++b)
+    STD_TORCH_CHECK(c[(b + 1) * st] >= c[b * st], op, ": ", arg, " decreases from ", c[b * st], " to ",
+                    c[(b + 1) * st], " at index ", b + 1,
+                    ", expected non-decreasing prefix sums of the sequence lengths");
+  STD_TORCH_CHECK(c[(n - 1) * st] == total, op, ": ", arg, "[-1] is ", c[(n - 1) * st], ", expected the ", of,
+                  " (", total, ")");
   for (int64_t b = 0; b + 1 < n; ++b) {
     const int64_t len = static_cast<int64_t>(c[(b + 1) * st]) - c[b * st];
-    STD_TORCH_CHECK(len >= 0, op, ": ", arg, " decreases from ", c[b * st], " to ", c[(b + 1) * st], " at index ",
-                    b + 1, ", expected non-decreasing prefix sums of the sequence lengths");
     STD_TORCH_CHECK(len <= max_len, op, ": ", arg, " gives sequence ", b, " ", len, " tokens, expected at most ",
                     max_arg, " (", max_len, ")");
   }
-  STD_TORCH_CHECK(c[(n - 1) * st] == total, op, ": ", arg, "[-1] is ", c[(n - 1) * st], ", expected the ", of,
-                  " (", total, ")");
 }
 
 int64_t check_varlen(const char *op, const Tensor &q, const Tensor &k, const Tensor &cu_q, const Tensor &cu_k,
