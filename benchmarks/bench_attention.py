@@ -121,6 +121,11 @@ def _impls(device):
     else:
         impls["sdpa"] = _sdpa(None)
     impls["eager"] = lambda q, k, v, causal: reference.attention(q, k, v, causal)
+    return _kept(impls)
+
+
+def _kept(impls):
+    """The impls BENCH_ATTN_IMPLS names (all when it is unset)."""
     keep = [n.strip() for n in os.environ.get("BENCH_ATTN_IMPLS", "").split(",") if n.strip()]
     return {n: f for n, f in impls.items() if n in keep} if keep else impls
 
@@ -216,7 +221,7 @@ def _mask_cases(device, quick):
             make = _maker(1, H, S, D, None, dtype, device)
             n = S * H * D * dtype.itemsize
             out += [Case(f"attention {kind}", (1, H, S, D), dtype, d, (4 if d == "fwd" else 8) * n,
-                         _without_causal(make), impls, flops=int(FLOP_FACTOR[d] * flops_fwd))
+                         _without_causal(make), _kept(impls), flops=int(FLOP_FACTOR[d] * flops_fwd))
                     for d in FLOP_FACTOR]
     return out
 
