@@ -97,9 +97,14 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p);
  * groups, each summing its own fp32 dq partial; the partials are then added
  * in a fixed order. */
 int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p);
+/* The (q head, query) rows of a CPU call: B Hq Sq, or Hq total_q in varlen
+ * (the CPU reads cu_seqlens_q in host memory). */
+static inline int64_t fo_attn_cpu_rows(const fo_attn_params *p) {
+  return p->cu_seqlens_q ? p->Hq * p->cu_seqlens_q[p->B] : p->B * p->Hq * p->Sq;
+}
 /* Floats of p->workspace the CPU backward needs with p->splits set. */
 static inline int64_t fo_attn_bwd_cpu_workspace(const fo_attn_params *p) {
-  return (p->splits * p->D + 1) * p->B * p->Hq * p->Sq;
+  return (p->splits * p->D + 1) * fo_attn_cpu_rows(p);
 }
 const char *fo_attn_bwd_cpu(const fo_attn_params *p);
 
