@@ -395,10 +395,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     as torch SDPA does; the two agree where sq = sk.) softcap, scale,
     deterministic and autocast as for flash_attention.
 
-    The offsets are checked (int32, 1-D, first 0, non-decreasing, last the
-    number of tokens, no sequence longer than max_seqlen): on a GPU by a copy
-    to the host, which waits for the stream, and not at all while the current
-    stream is capturing a CUDA graph (pass correct offsets there)."""
+    The offsets are checked for dtype (int32), shape and device everywhere,
+    and for their values (first 0, non-decreasing, last the number of tokens,
+    no sequence longer than max_seqlen) on the CPU. On a GPU the values are
+    the caller's to keep, as FlashAttention's: reading them would make the op
+    wait for the stream."""
     q, k, v = _kernel_call("flash_attention_varlen", q, k, v)
     if scale is None:
         scale = _default_scale(q)
