@@ -127,3 +127,19 @@ def test_qkv_attention_recomputed(selective):
     assert torch.equal(out1, out0)
     for name, a, e in zip(("x", "q_weight", "k_weight", "v_weight"), g1, g0):
         assert torch.equal(a, e), f"{name}: off by {(a - e).abs().max().item():.3g}"
+
+
+def test_checkpoint_memory_tool():
+    """tools/checkpoint_memory.py (the figures in the README) measures on the
+    CPU: checkpointing keeps less after the forward, and peaks lower."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "checkpoint_memory.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_memory", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = tool.main(["--device", "cpu", "--preset", "tiny", "--runs", "fusedops"])
+    (_, off, kept_off, peak_off), (_, on, kept_on, peak_on) = rows
+    assert not off and on
+    assert 0 < kept_on < kept_off / 2 and 0 < peak_on < peak_off, rows
