@@ -119,6 +119,9 @@ def parse_args(argv=None):
                         "each at other steps, so that their curves parted by up to 1.9)")
     p.add_argument("--runs", default="pytorch,fusedops", help="which runs, of %(default)s")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
+    p.add_argument("--torch-fused", action="store_true",
+                   help="the pytorch run's AdamW with fused=True (torch's one-kernel implementation) "
+                        "instead of its default (foreach on a GPU)")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial weights and of the generated data, the same in every run "
@@ -217,7 +220,7 @@ def train(run, args, data):
     if run == "fusedops":
         opt = fusedops.optim.FusedAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.torch_fused or None)
     first = load_checkpoint(model, opt, args.resume, args) if args.resume else 0
     if first >= cfg["steps"]:
         sys.exit(f"--resume {args.resume}: saved after step {first}, nothing left of --steps {cfg['steps']}")
@@ -466,6 +469,7 @@ def main(argv=None):
                "fusedops": fusedops.__version__, "config": args.cfg, "compile": args.compile,
                "dist": args.dist, "processes": args.world, "resume": args.resume,
                "lr": args.lr, "clip": args.clip, "micro_batches": args.micro_batches, "checkpoint": args.checkpoint,
+               "torch_fused": args.torch_fused,
                "entropy_floor": floor, "runs": results}
     if len(results) == 2:
         d = [abs(a - b) for a, b in zip(results[0]["losses"], results[1]["losses"])]

@@ -254,5 +254,26 @@ def test_dist_gpu_script_dry_run(tmp_path):
     assert (tmp_path / "out" / "dist.tar.gz").stat().st_size > 0
 
 
+
+def test_scale_script_dry_run(tmp_path):
+    """tools/scale_gpu.py (issue 56's 1-, 2- and 4-GPU table and the DCP
+    resharding) in its dry mode, on 1 and 2 CPU processes: the 2-process
+    FSDP2 run follows the 1-process curve (same global batch, in 2
+    micro-batches there), its checkpoint resumes on 1 process, and the table
+    says so."""
+    pytest.importorskip("transformers")
+    _needs_fsdp2()
+    env = dict(os.environ, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "scale_gpu.py"), "--dry", "--variants", "fusedops",
+                           "--work", str(tmp_path / "work")], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    log = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, log
+    for line in ("| fusedops | 1 | 2 |", "| fusedops | 2 | 1 |", "PASS (fusedops, 1 GPU) |",
+                 "| fusedops-1gpu-from-2 | fusedops-2gpu (DCP) | 4 |", "all PASS"):
+        assert line in proc.stdout, f"no {line!r} in:\n{log}"
+    assert (tmp_path / "out" / "scale.tar.gz").stat().st_size > 0
+
+
 if __name__ == "__main__":
     _driver(Path(sys.argv[1]))
