@@ -102,8 +102,11 @@ PADDED_CASES = WINDOW_CASES + SOFTCAP_CASES + MISC_CASES
 
 def test_window_covering_everything_is_no_window(device):
     """A window at least as wide as the sequence (W >= S) and window (-1, 0)
-    without causal give bitwise what no window and causal give (both run the
-    kernels' full and causal paths over the same tiles)."""
+    without causal give what no window and causal give: bitwise where the same
+    kernel runs both (the CPU; window (-1, 0) is the causal call everywhere),
+    else (CUDA: windows take the mma.sync kernels, plain calls on Hopper the
+    wgmma ones) within the bf16 rounding of one result (each is checked
+    against float64 by the other tests)."""
     c = replace(BASE, Sq=100, Sk=100)
     skip_unless_supported(c, device)
     q, k, v, dout = padded_inputs(c, device)
@@ -111,8 +114,13 @@ def test_window_covering_everything_is_no_window(device):
                           (replace(c, window=(-1, 0)), replace(c, causal=True))]:
         a = run_padded("fused", masked, q, k, v, dout)
         b = run_padded("fused", plain, q, k, v, dout)
+        same_kernel = device == "cpu" or masked.window == (-1, 0)
         for n in NAMES:
-            assert torch.equal(bits(a[n]), bits(b[n])), f"{masked} {n} differs from {plain}"
+            if same_kernel:
+                assert torch.equal(bits(a[n]), bits(b[n])), f"{masked} {n} differs from {plain}"
+            else:
+                torch.testing.assert_close(a[n], b[n], rtol=1.6e-2, atol=1.6e-2 * b[n].abs().max().item(),
+                                           msg=f"{masked} {n} differs from {plain}")
 
 
 # --------------------------------------------------------------------------- packed sequences
