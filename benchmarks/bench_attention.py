@@ -17,8 +17,18 @@ only the kernels are being compared (run with --no-compile as well).
 FLOPs (ANCHORS.md): 4 B H S^2 D forward, halved when causal; fwd+bwd 3.5x the
 forward. Judged in TFLOP/s against the matmul rate measured in the same run
 (bf16 on a GPU; fp32 on the CPU, where the kernels compute in fp32).
+
+Masks beyond causal (issue 52), causal, one sequence of S tokens: "attention
+window" (a sliding window of W keys), "attention varlen" (packed documents of
+mixed lengths, flash_attention_varlen) and "attention softcap" (soft-capped
+scores, full causal). Their FLOPs count the visible work only (the pairs the
+mask keeps). Peers: torch's SDPA with the equivalent dense bool mask, on CUDA
+FlexAttention (compiled, with a block mask) where torch has it, and our own
+kernel on the unmasked call beside it (fusedops_causal: the full causal
+square; fusedops_nocap: the same call without soft-capping).
 """
 import contextlib
+import itertools
 import os
 
 import torch
@@ -111,6 +121,11 @@ def _impls(device):
     else:
         impls["sdpa"] = _sdpa(None)
     impls["eager"] = lambda q, k, v, causal: reference.attention(q, k, v, causal)
+    return _kept(impls)
+
+
+def _kept(impls):
+    """The impls BENCH_ATTN_IMPLS names (all when it is unset)."""
     keep = [n.strip() for n in os.environ.get("BENCH_ATTN_IMPLS", "").split(",") if n.strip()]
     return {n: f for n, f in impls.items() if n in keep} if keep else impls
 
@@ -142,6 +157,83 @@ def _dtypes(device, quick):
     return [torch.float32] if quick else [torch.float32, torch.bfloat16]
 
 
+# Masks: (kind, S tokens, H, D, W window / documents' length range / softcap).
+GPU_MASK_SHAPES = [("window", 16384, 16, 128, 4096), ("varlen", 16384, 16, 128, (256, 4096)),
+                   ("softcap", 4096, 16, 128, 50.0)]
+CPU_MASK_SHAPES = [("window", 4096, 8, 64, 512), ("varlen", 4096, 8, 64, (64, 1024)),
+                   ("softcap", 1024, 8, 64, 50.0)]
+
+
+def _documents(S, lo, hi):
+    """Document lengths in [lo, hi] filling S tokens (a fixed draw)."""
+    g = torch.Generator().manual_seed(0)
+    lens = []
+    while sum(lens) < S:
+        lens.append(min(int(torch.randint(lo, hi + 1, (), generator=g)), S - sum(lens)))
+    return lens
+
+
+def _mask_cases(device, quick):
+    """The masked cases (see the module's docstring): one sequence (B = 1)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        flex_attention = None
+    out = []
+    for kind, S, H, D, arg in (GPU_MASK_SHAPES if device.type == "cuda" else CPU_MASK_SHAPES)[:1 if quick else None]:
+        pos = torch.arange(S, device=device)
+        impls, doc = {}, None
+        if kind == "window":
+            keep = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= pos[:, None] - arg)
+            impls["fusedops"] = lambda q, k, v, W=arg: functional.flash_attention(q, k, v, causal=True,
+                                                                                 window_size=(W, 0))
+            pairs = sum(min(i, arg) + 1 for i in range(S))
+        elif kind == "varlen":
+            lens = _documents(S, *arg)
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+            doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+            keep = (doc[None, :] == doc[:, None]) & (pos[None, :] <= pos[:, None])
+            impls["fusedops"] = lambda q, k, v, cu=cu, m=max(lens): functional.flash_attention_varlen(
+                q[0], k[0], v[0], cu, cu, m, m, causal=True)[None]
+            pairs = sum(n * (n + 1) // 2 for n in lens)
+        else:
+            keep = pos[None, :] <= pos[:, None]
+            impls["fusedops"] = lambda q, k, v, c=arg: functional.flash_attention(q, k, v, causal=True, softcap=c)
+            impls["fusedops_nocap"] = lambda q, k, v: functional.flash_attention(q, k, v, causal=True)
+            pairs = S * (S + 1) // 2
+        if kind != "softcap":
+            impls["fusedops_causal"] = lambda q, k, v: functional.flash_attention(q, k, v, causal=True)
+            impls["sdpa_mask"] = lambda q, k, v, m=keep: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m).transpose(1, 2)
+            if flex_attention is not None and device.type == "cuda":
+                if doc is None:
+                    def mask_mod(b, h, i, j, W=arg):
+                        return (j <= i) & (j >= i - W)
+                else:
+                    def mask_mod(b, h, i, j, doc=doc):
+                        return (doc[i] == doc[j]) & (j <= i)
+                block = create_block_mask(mask_mod, None, None, S, S, device=device)
+                flex = torch.compile(flex_attention)
+                impls["flex"] = lambda q, k, v, bm=block, fx=flex: fx(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm).transpose(1, 2)
+        flops_fwd = 4 * H * pairs * D
+        for dtype in _dtypes(device, quick):
+            make = _maker(1, H, S, D, None, dtype, device)
+            n = S * H * D * dtype.itemsize
+            out += [Case(f"attention {kind}", (1, H, S, D), dtype, d, (4 if d == "fwd" else 8) * n,
+                         _without_causal(make), _kept(impls), flops=int(FLOP_FACTOR[d] * flops_fwd))
+                    for d in FLOP_FACTOR]
+    return out
+
+
+def _without_causal(make):
+    """Input sets of _maker for the masked impls, which take q, k, v alone."""
+    def inner(grad):
+        inp = make(grad)
+        return Inputs(inp.args[:3], inp.grads)
+    return inner
+
+
 def cases(device, quick, sweep):
     out = []
     impls = _impls(device)
@@ -155,4 +247,4 @@ def cases(device, quick, sweep):
             out += [Case(op, (B, H, S, D), dtype, d, (4 if d == "fwd" else 8) * n, make, impls,
                          flops=int(FLOP_FACTOR[d] * flops_fwd))
                     for d in FLOP_FACTOR]
-    return out
+    return out + _mask_cases(device, quick)

@@ -43,21 +43,41 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a
-  // multiple of Hkv (grouped-query). causal is torch SDPA's is_causal: the
-  // top-left mask tril(ones(Sq, Sk)). out is contiguous [B, Sq, Hq, D] in q's
+  // multiple of Hkv (grouped-query). out is contiguous [B, Sq, Hq, D] in q's
   // dtype, lse fp32 [B, Hq, Sq] (natural log). deterministic is not used by the
   // forward: it is recorded for the backward (fusedops/ops/attention.py).
-  m.def("attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, "
-        "bool deterministic=False) -> (Tensor out, Tensor lse)");
+  // Masks (csrc/attention/attention.h): query i sees keys j with
+  //   i - window_left <= j <= i + window_right   (-1: that side unbounded),
+  // aligned top-left (as torch SDPA's is_causal: tril(ones(Sq, Sk))); causal
+  // is window_right = 0 (and overrides it). A row that sees no key gives out 0,
+  // lse -inf. softcap > 0 replaces each scaled score s by softcap tanh(s / softcap).
+  m.def("attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, bool deterministic=False, "
+        "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
   // Gradient of attn_fwd from out and lse; dq, dk, dv contiguous, shaped as
   // q, k, v. deterministic: bitwise-repeatable results.
   m.def("attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "float scale, bool causal, bool deterministic, int window_left=-1, int window_right=-1, "
+        "float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
   // attn_bwd for Sq = Sk, its three gradients side by side in one tensor
   // [B, S, Hq + 2 Hkv, D] (dq's heads, then dk's, then dv's): the gradient of
   // a joint q / k / v projection's output (fusedops.functional.qkv_attention).
   m.def("attn_bwd_packed(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float scale, bool causal, bool deterministic) -> Tensor dqkv");
+        "float scale, bool causal, bool deterministic, int window_left=-1, int window_right=-1, "
+        "float softcap=0.0) -> Tensor dqkv");
+  // Packed sequences (varlen), as FlashAttention's varlen functions: q
+  // [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b has queries
+  // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and keys likewise (int32 prefix
+  // sums, batch + 1 values, on q's device); max_seqlen_* bound the sequences'
+  // lengths. No attention crosses a sequence; within one, the mask is aligned
+  // bottom-right (the last query sees the last key: diag = Sk - Sq). out as q,
+  // lse fp32 [Hq, total_q].
+  m.def("attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, bool deterministic=False, "
+        "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
+  m.def("attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
+        "bool causal, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)");
   // Rotary position embedding of q and k (csrc/rope), the rotate-half layout
   // (Hugging Face's apply_rotary_pos_emb): q [B, Hq, S, D] and k [B, Hk, S, D]
   // read through their strides, cos and sin [B or 1, S, D] in q's dtype.

@@ -344,28 +344,86 @@ def _default_scale(q):
     return q.shape[-1] ** -0.5 if q.shape[-1] else 1.0
 
 
-def flash_attention(q, k, v, causal=False, scale=None, deterministic=False):
+def _kernel_call(name, q, k, v):
+    """q, k, v as flash_attention and flash_attention_varlen hand them to the
+    kernels (cast as autocast casts SDPA's inputs); raises where the device's
+    kernels do not take the call (never falls back)."""
+    q, k, v = _lower_precision(q, k, v)
+    if q.device.type == "cuda":
+        gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
+        if gap is not None:
+            raise RuntimeError(f"fusedops.{name}: not supported: {gap}")
+    return q, k, v
+
+
+def _window(window_size):
+    left, right = window_size
+    return int(left), int(right)
+
+
+def flash_attention(q, k, v, causal=False, scale=None, deterministic=False, window_size=(-1, -1), softcap=0.0):
     """softmax(scale * q k^T) v on (batch, seq, heads, head_dim) tensors, without
     materialising the seq x seq matrix. Returns (B, Sq, Hq, D).
 
     k and v are (B, Sk, Hkv, D) with Hq a multiple of Hkv (grouped-query and
     multi-query attention, K/V not repeated). Inputs are read through their
     strides (unit stride along head_dim; transposed (B, H, S, D) views need no
-    copy). causal: torch SDPA's is_causal, the top-left mask tril(ones(Sq, Sk)).
-    scale defaults to 1/sqrt(head_dim). deterministic: bitwise-repeatable
-    gradients (also on whenever torch.use_deterministic_algorithms(True) is).
-    Under torch.autocast q, k and v are cast to its dtype, as for torch's
-    scaled_dot_product_attention. Raises where the kernels do not apply
-    (never falls back)."""
-    q, k, v = _lower_precision(q, k, v)
-    if q.device.type == "cuda":
-        gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
-        if gap is not None:
-            raise RuntimeError(f"fusedops.flash_attention: not supported: {gap}")
+    copy). scale defaults to 1/sqrt(head_dim).
+
+    Masks, aligned top-left (query i against key i, as torch SDPA's is_causal,
+    for Sq != Sk too): window_size = (left, right) lets query i see the keys j
+    with i - left <= j <= i + right, -1 leaving that side unbounded (Mistral's
+    and Gemma's sliding windows: (W - 1, 0) with causal). causal is right = 0,
+    the mask tril(ones(Sq, Sk)); it overrides window_size's right. A query
+    that sees no key gets out 0 (and no gradient). softcap > 0 replaces each
+    scaled score s by softcap * tanh(s / softcap) before the softmax (Gemma 2's
+    attn_logit_softcapping). Key tiles a window masks whole are skipped: the
+    cost follows the visible work.
+
+    deterministic: bitwise-repeatable gradients (also on whenever
+    torch.use_deterministic_algorithms(True) is). Under torch.autocast q, k and
+    v are cast to its dtype, as for torch's scaled_dot_product_attention.
+    Raises where the kernels do not apply (never falls back)."""
+    q, k, v = _kernel_call("flash_attention", q, k, v)
     if scale is None:
         scale = _default_scale(q)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), deterministic)
+    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), deterministic, *_window(window_size),
+                           float(softcap))
+    return out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           scale=None, deterministic=False, window_size=(-1, -1), softcap=0.0):
+    """flash_attention over packed sequences (documents concatenated without
+    padding), as FlashAttention's flash_attn_varlen_func. Returns (total_q, Hq, D).
+
+    q is (total_q, Hq, D), k and v (total_k, Hkv, D); cu_seqlens_q and
+    cu_seqlens_k are int32 prefix sums of the sequences' lengths, batch + 1
+    values on q's device (sequence b has queries cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 and keys likewise); max_seqlen_q / _k are the
+    longest lengths (ints). No attention crosses a sequence boundary, and each
+    sequence costs its own work: packed documents cost the sum of their own
+    squares. A sequence may be empty, of queries or of keys.
+
+    Within a sequence of sq queries and sk keys, causal and window_size are
+    aligned bottom-right, as FlashAttention's: the last query sees the last
+    key, query i sees keys j with i + sk - sq - left <= j <= i + sk - sq + right
+    (causal: right = 0). (flash_attention, on padded batches, aligns top-left
+    as torch SDPA does; the two agree where sq = sk.) softcap, scale,
+    deterministic and autocast as for flash_attention.
+
+    The offsets are checked (int32, 1-D, first 0, non-decreasing, last the
+    number of tokens, no sequence longer than max_seqlen): on a GPU by a copy
+    to the host, which waits for the stream, and not at all while the current
+    stream is capturing a CUDA graph (pass correct offsets there)."""
+    q, k, v = _kernel_call("flash_attention_varlen", q, k, v)
+    if scale is None:
+        scale = _default_scale(q)
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    out, _ = _ops.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  float(scale), bool(causal), deterministic, *_window(window_size),
+                                  float(softcap))
     return out
 
 

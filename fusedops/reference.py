@@ -62,24 +62,71 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def attention(q, k, v, causal=False, scale=None, return_lse=False):
+def attention_mask(sq, sk, causal=False, window_size=(-1, -1), bottom_right=False, device=None):
+    """The (sq, sk) bool mask of fusedops' attention (csrc/attention/attention.h):
+    query i sees key j when i + diag - left <= j <= i + diag + right, a side
+    of -1 unbounded, causal meaning right = 0; diag is 0 (top-left, torch
+    SDPA's is_causal) or, bottom_right, sk - sq (FlashAttention's varlen)."""
+    left, right = window_size
+    right = 0 if causal else right
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq if bottom_right else 0)
+    j = torch.arange(sk, device=device)[None, :]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= j >= i - left
+    if right >= 0:
+        mask &= j <= i + right
+    return mask
+
+
+def attention(q, k, v, causal=False, scale=None, return_lse=False, window_size=(-1, -1), softcap=0.0,
+              bottom_right=False):
     """softmax(scale * q k^T) v on (B, S, H, D) tensors, the S x S matrix
     materialised, in the inputs' dtype. k and v have Hkv heads, Hq a multiple
     of Hkv: q head h reads k/v head h // (Hq // Hkv). causal: torch SDPA's
-    is_causal, the top-left mask tril(ones(Sq, Sk)). Returns out (B, Sq, Hq, D),
+    is_causal, the top-left mask tril(ones(Sq, Sk)); window_size and
+    bottom_right: attention_mask's. softcap > 0: each scaled score s becomes
+    softcap * tanh(s / softcap) before the mask. Returns out (B, Sq, Hq, D),
     and with return_lse the logsumexp of each score row, (B, Hq, Sq) (-inf and
-    out = 0 for a row with no key)."""
+    out = 0, with no gradient, for a row that sees no key)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
     if group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    masked = causal or window_size[0] >= 0 or window_size[1] >= 0
+    if masked:
+        mask = attention_mask(s.shape[-2], s.shape[-1], causal, window_size, bottom_right, s.device)
         s = s.masked_fill(~mask, float("-inf"))
-    out = (s.softmax(-1) @ v).transpose(1, 2)
+        # A row that sees no key: out 0 (softmax of all -inf would be NaN).
+        seen = mask.any(-1, keepdim=True)
+        p = s.masked_fill(~seen, 0.0).softmax(-1) * seen
+    else:
+        p = s.softmax(-1)
+    out = (p @ v).transpose(1, 2)
     return (out, s.logsumexp(-1)) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, return_lse=False,
+                     window_size=(-1, -1), softcap=0.0):
+    """attention over packed sequences (FlashAttention's varlen layout): q
+    (total_q, Hq, D), k and v (total_k, Hkv, D), sequence b the rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (k, v likewise), each
+    attending within itself, masks aligned bottom-right. Returns out
+    (total_q, Hq, D) and with return_lse lse (Hq, total_q)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        o, lse = attention(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]], causal,
+                           scale, True, window_size, softcap, bottom_right=True)
+        outs.append(o[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_zeros((0, *q.shape[1:]))
+    lse = torch.cat(lses, -1) if lses else q.new_zeros((q.shape[1], 0))
+    return (out, lse) if return_lse else out
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, beta1, beta2, eps,

@@ -1319,10 +1319,12 @@ def test_torch_compile(device, name):
 @pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
 def test_autocast(device, name):
     """Under bf16 autocast, Linear -> fusedops norm runs on the Linear's bf16
-    output with the module's fp32 parameters. The output keeps x's dtype: bf16
-    (torch.nn.LayerNorm would return fp32 here: autocast runs layer_norm in
-    fp32); a residual stream in fp32 stays fp32; gradients reach every parameter
-    in fp32."""
+    output with the module's fp32 parameters. The plain norm's output has the
+    dtype torch's module gives under the same autocast (fp32 where autocast
+    lists the op as fp32: CUDA's layer_norm, and rms_norm in newer releases;
+    bf16 otherwise); the fused residual form keeps its inputs' dtypes (y bf16,
+    an fp32 residual stream stays fp32); gradients reach every parameter in
+    fp32."""
     hidden = 64
     lin = torch.nn.Linear(hidden, hidden).to(device)
     norm = torch_module(name, dict(normalized_shape=hidden, eps=1e-5), device)
@@ -1333,7 +1335,9 @@ def test_autocast(device, name):
         h = lin(x)
         y = fused_norm(h)
         y2, s = fused_norm(h, r)
-    assert h.dtype == y.dtype == y2.dtype == torch.bfloat16 and s.dtype == torch.float32
+        y_torch = norm(h)
+    assert h.dtype == y2.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert y.dtype == y_torch.dtype, (y.dtype, y_torch.dtype)
     (y.float().square().sum() + y2.float().square().sum() + s.sum()).backward()
     for n, p in itertools.chain(lin.named_parameters(), fused_norm.named_parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, n

@@ -73,6 +73,12 @@ typedef struct fo_attn_params {
 FO_ATTN_HD static inline int fo_attn_banded(const fo_attn_params *p) {
   return p->window_left >= 0 || p->window_right >= 0;
 }
+/* Whether a call has more than the padded layout with no mask or a causal
+ * one: a window beyond causal, soft-capping or varlen (kernels that keep
+ * separate instances for those ask here). */
+FO_ATTN_HD static inline int fo_attn_general(const fo_attn_params *p) {
+  return p->window_left >= 0 || p->window_right > 0 || p->softcap > 0.f || p->cu_seqlens_q != NULL;
+}
 /* The keys [*lo, *hi) that query i of a sequence of sq queries and sk keys
  * sees (*lo >= *hi: none): the rule above, for kernels and planners alike. */
 FO_ATTN_HD static inline void fo_attn_keys(const fo_attn_params *p, int64_t i, int64_t sq, int64_t sk,
@@ -91,9 +97,14 @@ const char *fo_attn_fwd_cpu(const fo_attn_params *p);
  * groups, each summing its own fp32 dq partial; the partials are then added
  * in a fixed order. */
 int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p);
+/* The (q head, query) rows of a CPU call: B Hq Sq, or Hq total_q in varlen
+ * (the CPU reads cu_seqlens_q in host memory). */
+static inline int64_t fo_attn_cpu_rows(const fo_attn_params *p) {
+  return p->cu_seqlens_q ? p->Hq * p->cu_seqlens_q[p->B] : p->B * p->Hq * p->Sq;
+}
 /* Floats of p->workspace the CPU backward needs with p->splits set. */
 static inline int64_t fo_attn_bwd_cpu_workspace(const fo_attn_params *p) {
-  return (p->splits * p->D + 1) * p->B * p->Hq * p->Sq;
+  return (p->splits * p->D + 1) * fo_attn_cpu_rows(p);
 }
 const char *fo_attn_bwd_cpu(const fo_attn_params *p);
 
@@ -113,9 +124,11 @@ const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 /* Whether the CUDA backward adds dq with fp32 atomics (mma.sync kernel) or
  * bulk reductions (wgmma kernel) instead of its deterministic dq kernel:
  * only where that is faster (mma.sync: head dims up to 64, measured equal at
- * 128; wgmma: 64 and 128; docs/perf-notes.md) and determinism is not asked for. */
+ * 128; wgmma: 64 and 128; docs/perf-notes.md), determinism is not asked for,
+ * and the call has no window beyond causal, soft-capping or varlen (those
+ * take the dq kernel: the atomic pass's registers have no room for them). */
 static inline int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
-  return !p->deterministic && (p->D <= 64 || p->wgmma);
+  return !p->deterministic && !fo_attn_general(p) && (p->D <= 64 || p->wgmma);
 }
 /* The backward's per-row scratch has Sq rounded up to 64 rows (the wgmma
  * kernel's query tile) for each (batch, q head). */

@@ -27,7 +27,8 @@
 // where the accumulators leave room (at D = 128 they do not); v2: atomics.
 // On Hopper (p->wgmma, fo_attn_wgmma_applies: D = 64 and 128 on a 9.0 GPU) step 2, dQ
 // included unless deterministic, is attention_bwd_wgmma_cuda.cu instead.
-// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, causal (top-left) or not, any Sq / Sk,
+// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, any window (causal included),
+// soft-capping, padded or varlen sequences, any Sq / Sk,
 // grouped-query, 64-bit strides that are multiples of 8 elements on a
 // 16-byte aligned base (the shim copies other inputs); dq, dk, dv are written
 // dense by the shim's allocation (32-bit stores of element pairs).
@@ -97,11 +98,14 @@ __global__ void __launch_bounds__(kRowBlock) attn_bwd_delta_kernel(const fo_attn
   const int64_t rows = fo_attn_bwd_rows(&p), row = group_row<D>();
   const bool valid = row < p.B * p.Hq * rows;  // no early return: the group's shuffles need every lane
   const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
+  const SeqView seq(p, valid ? b : 0);
+  const int64_t tok = seq.q_tok + i;
+  const bool live = valid && i < seq.sq;
   float acc = 0.f;
-  if (valid && i < p.Sq && c < D / 8) {
+  if (live && c < D / 8) {
     float x[8], y[8];
-    fo::load_f<8>(static_cast<const T *>(p.out) + b * p.out_st.batch + h * p.out_st.head + i * p.out_st.seq + 8 * c, x);
-    fo::load_f<8>(static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head + i * p.dout_st.seq + 8 * c, y);
+    fo::load_f<8>(static_cast<const T *>(p.out) + seq.bs * p.out_st.batch + h * p.out_st.head + tok * p.out_st.seq + 8 * c, x);
+    fo::load_f<8>(static_cast<const T *>(p.dout) + seq.bs * p.dout_st.batch + h * p.dout_st.head + tok * p.dout_st.seq + 8 * c, y);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc = fmaf(x[e], y[e], acc);
   }
@@ -113,8 +117,10 @@ __global__ void __launch_bounds__(kRowBlock) attn_bwd_delta_kernel(const fo_attn
     z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   if (c == 0) {
+    // A row that saw no key (lse -inf) contributes nothing, as a padding row.
+    const float l = live ? p.lse[seq.bs * p.lse_st.batch + h * p.lse_st.head + tok * p.lse_st.seq] : -INFINITY;
     delta[row] = acc;  // row = (b Hq + h) rows + i
-    lse2[row] = i < p.Sq ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
+    lse2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
   }
 }
 
@@ -126,12 +132,13 @@ __global__ void __launch_bounds__(kRowBlock) attn_bwd_dq_convert_kernel(const fo
   const int64_t rows = fo_attn_bwd_rows(&p), row = group_row<D>();
   if (row >= p.B * p.Hq * rows || c >= D / 8) return;
   const int64_t i = row % rows, bh = row / rows, b = bh / p.Hq, h = bh % p.Hq;
-  if (i >= p.Sq) return;
+  const SeqView seq(p, b);
+  if (i >= seq.sq) return;
   const float4 *src = reinterpret_cast<const float4 *>(dq_acc + row * D + 8 * c);
   const float4 lo = src[0], hi = src[1];
   const float x[8] = {lo.x * p.scale, lo.y * p.scale, lo.z * p.scale, lo.w * p.scale,
                       hi.x * p.scale, hi.y * p.scale, hi.z * p.scale, hi.w * p.scale};
-  fo::store_f<8>(static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq + 8 * c, x);
+  fo::store_f<8>(static_cast<T *>(p.dq) + seq.bs * p.dq_st.batch + h * p.dq_st.head + (seq.q_tok + i) * p.dq_st.seq + 8 * c, x);
 }
 
 // ---------------------------------------------------------------- 2. dK, dV
@@ -198,13 +205,17 @@ __device__ __forceinline__ void dq_part(const T *sds, const T *sK, int64_t q0, i
 
 // kDq: also dQ, by fp32 atomics into dq_acc (FA2's scheme: five tile products
 // in all, but the order of the additions varies from run to run).
-template <int D, bool kCausal, bool kDq, class T>
+// kGeneral: windows, varlen and soft-capping are read from p; otherwise the
+// instance is for the padded layout, no mask or causal only, no
+// soft-capping (their state would cost those registers), and
+// passes of kSub queries (kGeneral: kSubDq's fewer, for the same reason).
+template <int D, bool kBanded, bool kDq, bool kGeneral, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_params p,
-                                                                 const float *delta, float *dq_acc,
-                                                                 int64_t rows) {
+                                                                 const float *delta, const float *lse2,
+                                                                 float *dq_acc, int64_t rows) {
   using C = Cfg<D>;
   constexpr int MT = C::kMTk, kKeys = C::kKeys, kQTile = C::kQTile;
-  constexpr int kSub = kDq ? C::kSubDq : C::kSub, kCols = C::kCols;
+  constexpr int kSub = kDq || kGeneral ? C::kSubDq : C::kSub, kCols = C::kCols;
   static_assert(!kDq || kCols == D, "attn_bwd_dkdv_kernel: dQ in the pass needs all of D");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sK = reinterpret_cast<T *>(smem_raw);
@@ -219,21 +230,48 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   const int g = lane / 4, tig = lane % 4;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv;
+  // kGeneral: the sequence's values the item loop needs, in 32-bit registers
+  // (lengths and token offsets fit: attention.h); the stores at the end ask
+  // again. Otherwise the padded layout's, from p.
+  int bs = 0, q_tok = 0, sq = 0, k_rows, dlo = 0, dhi = 0;
+  int64_t m_first, m_tiles;
+  const T *k, *v;
+  if constexpr (kGeneral) {
+    const SeqView seq(p, b);
+    if (j0 >= seq.sk) return;  // past its sequence (varlen)
+    bs = static_cast<int>(seq.bs);
+    q_tok = static_cast<int>(seq.q_tok);
+    sq = static_cast<int>(seq.sq);
+    k_rows = static_cast<int>(imin(kKeys, seq.sk - j0));
+    dlo = seq.dlo();
+    dhi = seq.dhi();
+    // Banded: only the query tiles that see a key of this block.
+    const int64_t r_lo = kBanded ? seq.rows_lo(j0) : 0, r_hi = kBanded ? seq.rows_hi(j0 + k_rows) : seq.sq;
+    m_first = r_lo / kQTile;
+    m_tiles = r_hi > r_lo ? (r_hi + kQTile - 1) / kQTile : m_first;
+    k = static_cast<const T *>(p.k) + seq.bs * p.k_st.batch + hk * p.k_st.head + (seq.k_tok + j0) * p.k_st.seq;
+    v = static_cast<const T *>(p.v) + seq.bs * p.v_st.batch + hk * p.v_st.head + (seq.k_tok + j0) * p.v_st.seq;
+  } else {
+    k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head + j0 * p.k_st.seq;
+    v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head + j0 * p.v_st.seq;
+    k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+    m_first = kBanded ? j0 / kQTile : 0;  // causal: the first tile with a query >= j0
+    m_tiles = (p.Sq + kQTile - 1) / kQTile;
+  }
   // This block's dK, dV columns: [c0, c0 + kCols) (a constant 0 where it has all).
   const int c0 = kCols == D ? 0 : static_cast<int>(blockIdx.z) * kCols;
   const int64_t group = p.Hq / p.Hkv;
-  const float scale2 = p.scale * kLog2e;
+  // Soft-capped scores arrive scaled (softcap_scores).
+  const bool capped = kGeneral && p.softcap > 0.f;
+  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
+  auto seq_len = [&]() -> int64_t { return kGeneral ? sq : p.Sq; };
+  auto batch_of = [&]() -> int64_t { return kGeneral ? bs : b; };  // the batch index of the strides
 
-  const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head + j0 * p.k_st.seq;
-  const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head + j0 * p.v_st.seq;
-  const int k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
   load_tile<D, kThreads>(sK, k, p.k_st.seq, kKeys, k_rows);
   load_tile<D, kThreads>(sV, v, p.v_st.seq, kKeys, k_rows);
   cp_async_commit();
 
   // Work items: (q head of the group, query tile), heads outer, in order.
-  const int64_t m_first = kCausal ? j0 / kQTile : 0;  // first tile with a query >= j0
-  const int64_t m_tiles = (p.Sq + kQTile - 1) / kQTile;
   const int64_t n_m = m_tiles > m_first ? m_tiles - m_first : 0;
   const int64_t n_items = group * n_m;
 
@@ -241,18 +279,19 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   auto item_h = [&](int64_t it) { return hk * group + it / n_m; };
   auto prefetch = [&](int64_t it, int stage) {
     const int64_t h = item_h(it), m0 = item_m0(it);
-    const int q_rows = static_cast<int>(imin(kQTile, p.Sq - m0));
-    const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + m0 * p.q_st.seq;
-    const T *dout = static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head +
-                    m0 * p.dout_st.seq;
+    const int q_rows = static_cast<int>(imin(kQTile, seq_len() - m0));
+    const T *q = static_cast<const T *>(p.q) + batch_of() * p.q_st.batch + h * p.q_st.head + (q_tok + m0) * p.q_st.seq;
+    const T *dout = static_cast<const T *>(p.dout) + batch_of() * p.dout_st.batch + h * p.dout_st.head +
+                    (q_tok + m0) * p.dout_st.seq;
     load_tile<D, kThreads>(sQ + stage * kQTile * D, q, p.q_st.seq, kQTile, q_rows);
     load_tile<D, kThreads>(sdO + stage * kQTile * D, dout, p.dout_st.seq, kQTile, q_rows);
-    // Rows past Sq: lse +inf makes P = 0, delta 0 keeps dS = 0 (their Q, dO are zeros).
+    // Rows past the sequence: lse2 +inf makes P = 0, delta 0 keeps dS = 0
+    // (their Q, dO are zeros); so do the delta kernel's padding rows.
     for (int r = threadIdx.x; r < kQTile; r += kThreads) {
       const bool ok = r < q_rows;
-      sL[stage * kQTile + r] =
-          ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + (m0 + r) * p.lse_st.seq] * kLog2e
-             : INFINITY;
+      const float l2 = kGeneral ? lse2[(b * p.Hq + h) * rows + m0 + r]
+                                : p.lse[b * p.lse_st.batch + h * p.lse_st.head + (m0 + r) * p.lse_st.seq] * kLog2e;
+      sL[stage * kQTile + r] = ok ? l2 : INFINITY;
       sDl[stage * kQTile + r] = ok ? delta[(b * p.Hq + h) * rows + m0 + r] : 0.f;
     }
   };
@@ -279,10 +318,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
     const int64_t m0 = item_m0(it), h = item_h(it);
     // The query tile in passes of kSub queries: the S^T and dP^T of a whole
     // tile beside the dK, dV accumulators would pass 255 registers.
-#pragma unroll (kDq ? 1 : C::kSubUnroll)
+#pragma unroll (kDq || kGeneral ? 1 : C::kSubUnroll)
     for (int sub = 0; sub < kQTile / kSub; ++sub) {
       const int64_t q0 = m0 + sub * kSub;
-      if (q0 >= p.Sq) break;  // a tail tile's empty part (the same for every thread)
+      if (q0 >= seq_len()) break;  // a tail tile's empty part (the same for every thread)
       const T *q_s = sQ + (stage * kQTile + sub * kSub) * D;  // 8-row aligned: same swizzle
       const T *do_s = sdO + (stage * kQTile + sub * kSub) * D;
       const float *l_s = sL + stage * kQTile + sub * kSub, *dl_s = sDl + stage * kQTile + sub * kSub;
@@ -290,11 +329,15 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
       float pt[MT][kSub / 8][4];  // S^T, then P^T: this warp's keys x kSub queries
       zero(pt);
       gemm_abt<D, kSub>(pt, sK, key0, q_s);
-      // Causal: key j0 + kl is masked for query q0 + ql when kl + (j0 - q0) > ql.
-      // (A branch without the mask for the passes off the diagonal, as in
-      // softmax_tile, made the causal kernel with dQ spill: kept predicated.)
-      const bool diag = kCausal && j0 + kKeys - 1 > q0;
+      if (capped)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) softcap_scores(pt[mt], p.scale, p.softcap);
+      // Banded: key j0 + kl is masked for query q0 + ql when kl + (j0 - q0) - ql
+      // is outside [dlo, dhi]. (A branch without the mask for the passes
+      // inside the band, as in softmax_tile, made the causal kernel with dQ
+      // spill: kept predicated.)
       const int off = static_cast<int>(j0 - q0);
+      const bool diag = kBanded && (kGeneral ? off + kKeys - 1 > dhi || off - (kSub - 1) < dlo : j0 + kKeys - 1 > q0);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -305,7 +348,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
             for (int e = 0; e < 2; ++e) {
               const int ql = t * 8 + tig * 2 + e;
               float x = pt[mt][t][2 * r + e] * scale2 - l_s[ql];
-              if (diag && key_l[mt][r] + off > ql) x = -INFINITY;
+              const int d = key_l[mt][r] + off - ql;
+              if (diag && (kGeneral ? d > dhi || d < dlo : d > 0)) x = -INFINITY;
               pt[mt][t][2 * r + e] = exp2_approx(x);
             }
       gemm_pb<D, kSub>(dv, pt, do_s, c0 / 16);  // dV += P^T dO
@@ -322,7 +366,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int ql = t * 8 + tig * 2 + e;
-              ds[mt][t][2 * r + e] = pt[mt][t][2 * r + e] * (ds[mt][t][2 * r + e] - dl_s[ql]);
+              const float pe = pt[mt][t][2 * r + e];
+              ds[mt][t][2 * r + e] = pe * (ds[mt][t][2 * r + e] - dl_s[ql]) *
+                                     (capped ? softcap_grad(pe, l_s[ql], p.softcap) : 1.f);
             }
       if constexpr (kDq) {
         T *sds = sdS + (pass & 1) * kKeys * kSub;
@@ -340,7 +386,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
         // The buffer written two passes ago was last read before the barrier
         // of the previous pass: one barrier a pass orders both.
         __syncthreads();
-        dq_part<D, kKeys, kSub>(sdS + (pass & 1) * kKeys * kSub, sK, q0, p.Sq,
+        dq_part<D, kKeys, kSub>(sdS + (pass & 1) * kKeys * kSub, sK, q0, seq_len(),
                                 dq_acc + ((b * p.Hq + h) * rows + q0) * D);
         ++pass;
       }
@@ -349,24 +395,26 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   }
   cp_async_wait<0>();
 
-  // Keys that no query sees (causal, j0 >= Sq) get zeros: dk, dv are still 0.
+  // Keys that no query sees (outside every query's band) get zeros: dk, dv are still 0.
+  const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr);  // (padded: from p)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t key = j0 + key_l[mt][r];
-      if (key >= p.Sk) continue;
-      T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq + c0;
-      T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq + c0;
+      if (key >= seq.sk) continue;
+      const int64_t tok = seq.k_tok + key;
+      T *dkp = static_cast<T *>(p.dk) + seq.bs * p.dk_st.batch + hk * p.dk_st.head + tok * p.dk_st.seq + c0;
+      T *dvp = static_cast<T *>(p.dv) + seq.bs * p.dv_st.batch + hk * p.dv_st.head + tok * p.dv_st.seq + c0;
       store_row(dkp, dk[mt], r, p.scale);
       store_row(dvp, dv[mt], r, 1.f);
     }
 }
 
 // ---------------------------------------------------------------- 3. dQ
-template <int D, bool kCausal, class T>
-__global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_params p,
-                                                               const float *delta, int64_t rows) {
+template <int D, bool kBanded, class T>
+__global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_params p, const float *delta,
+                                                               const float *lse2, int64_t rows) {
   using C = Cfg<D>;
   constexpr int MT = C::kMTq, kRows = C::kRows, kKTile = C::kKTile;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -377,35 +425,41 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  // Causal: heavy (late) query tiles first, as in the forward.
-  const int64_t i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kRows;
+  // Banded: heavy (late) query tiles first, as in the forward.
+  const int64_t i0 = static_cast<int64_t>(kBanded ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kRows;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
-  const float scale2 = p.scale * kLog2e;
+  const SeqView seq(p, b);
+  if (i0 >= seq.sq) return;  // past its sequence (varlen)
+  const bool capped = p.softcap > 0.f;  // soft-capped scores arrive scaled (softcap_scores)
+  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
+  const int dlo = seq.dlo(), dhi = seq.dhi();
 
-  const T *q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
-  const T *dout = static_cast<const T *>(p.dout) + b * p.dout_st.batch + h * p.dout_st.head +
-                  i0 * p.dout_st.seq;
-  const T *k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
-  const T *v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
-  const int q_rows = static_cast<int>(imin(kRows, p.Sq - i0));
-  const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-  const int n_tiles = static_cast<int>((kend + kKTile - 1) / kKTile);
+  const T *q = static_cast<const T *>(p.q) + seq.bs * p.q_st.batch + h * p.q_st.head + (seq.q_tok + i0) * p.q_st.seq;
+  const T *dout = static_cast<const T *>(p.dout) + seq.bs * p.dout_st.batch + h * p.dout_st.head +
+                  (seq.q_tok + i0) * p.dout_st.seq;
+  const T *k = static_cast<const T *>(p.k) + seq.bs * p.k_st.batch + hk * p.k_st.head + seq.k_tok * p.k_st.seq;
+  const T *v = static_cast<const T *>(p.v) + seq.bs * p.v_st.batch + hk * p.v_st.head + seq.k_tok * p.v_st.seq;
+  const int q_rows = static_cast<int>(imin(kRows, seq.sq - i0));
+  const int64_t klo = kBanded ? seq.keys_lo(i0) : 0, khi = kBanded ? seq.keys_hi(i0 + q_rows) : seq.sk;
+  const int j_first = static_cast<int>(klo / kKTile);
+  const int n_tiles = khi > klo ? static_cast<int>((khi + kKTile - 1) / kKTile) - j_first : 0;
 
   load_tile<D, kThreads>(sQ, q, p.q_st.seq, kRows, q_rows);
   load_tile<D, kThreads>(sdO, dout, p.dout_st.seq, kRows, q_rows);
   cp_async_commit();
   auto prefetch = [&](int j, int stage) {
-    const int64_t j0 = static_cast<int64_t>(j) * kKTile;
-    const int rows = static_cast<int>(imin(kKTile, p.Sk - j0));
+    const int64_t j0 = static_cast<int64_t>(j_first + j) * kKTile;
+    const int rows = static_cast<int>(imin(kKTile, seq.sk - j0));
     load_tile<D, kThreads>(sK + stage * kKTile * D, k + j0 * p.k_st.seq, p.k_st.seq, kKTile, rows);
     load_tile<D, kThreads>(sV + stage * kKTile * D, v + j0 * p.v_st.seq, p.v_st.seq, kKTile, rows);
   };
   if (n_tiles > 0) prefetch(0, 0);
   cp_async_commit();
 
-  // This thread's rows (warp * 16 MT + 16 mt + g + 8 r): lse (log2 units) and
-  // delta; rows past Sq get lse +inf (P = 0) and delta 0, and are not stored.
+  // This thread's rows (warp * 16 MT + 16 mt + g + 8 r): lse2 and delta, as
+  // the delta kernel wrote them; rows past the sequence get lse2 +inf (P = 0)
+  // and delta 0, and are not stored.
   const int row0 = warp * 16 * MT;
   int row_l[MT][2];
   float l2[MT][2], dl[MT][2];
@@ -415,9 +469,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
     for (int r = 0; r < 2; ++r) {
       row_l[mt][r] = row0 + 16 * mt + g + 8 * r;
       const int64_t i = i0 + row_l[mt][r];
-      const bool ok = i < p.Sq;
-      l2[mt][r] =
-          ok ? p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e : INFINITY;
+      const bool ok = i < seq.sq;
+      l2[mt][r] = ok ? lse2[(b * p.Hq + h) * rows + i] : INFINITY;
       dl[mt][r] = ok ? delta[(b * p.Hq + h) * rows + i] : 0.f;
     }
 
@@ -430,16 +483,19 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
     cp_async_wait<1>();  // Q, dO and tile j have landed
     __syncthreads();
     const T *k_s = sK + stage * kKTile * D, *v_s = sV + stage * kKTile * D;
-    const int64_t j0 = static_cast<int64_t>(j) * kKTile;
+    const int64_t j0 = static_cast<int64_t>(j_first + j) * kKTile;
 
     float s[MT][kKTile / 8][4];  // S, then P: this warp's queries x kKTile keys
     zero(s);
     gemm_abt<D, kKTile>(s, sQ, row0, k_s);
+    if (capped)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) softcap_scores(s[mt], p.scale, p.softcap);
     float ds[MT][kKTile / 8][4];  // dP, then dS
     zero(ds);
     gemm_abt<D, kKTile>(ds, sdO, row0, v_s);
 
-    const int k_lim = static_cast<int>(imin(kKTile, p.Sk - j0));  // keys past it: none
+    const int k_lim = static_cast<int>(imin(kKTile, seq.sk - j0));  // keys past it: none
     const int off = static_cast<int>(j0 - i0);
     auto scores_grad = [&](auto masked) {  // the mask only where a tile needs it
 #pragma unroll
@@ -452,12 +508,16 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
             for (int e = 0; e < 2; ++e) {
               const int kl = t * 8 + tig * 2 + e;
               float x = s[mt][t][2 * r + e] * scale2 - l2[mt][r];
-              if constexpr (decltype(masked)::value)
-                if (kl >= k_lim || (kCausal && kl + off > row_l[mt][r])) x = -INFINITY;
-              ds[mt][t][2 * r + e] = exp2_approx(x) * (ds[mt][t][2 * r + e] - dl[mt][r]);
+              if constexpr (decltype(masked)::value) {
+                const int d = kl + off - row_l[mt][r];
+                if (kl >= k_lim || (kBanded && (d > dhi || d < dlo))) x = -INFINITY;
+              }
+              const float pe = exp2_approx(x);
+              ds[mt][t][2 * r + e] = pe * (ds[mt][t][2 * r + e] - dl[mt][r]) *
+                                     (capped ? softcap_grad(pe, l2[mt][r], p.softcap) : 1.f);
             }
     };
-    if (k_lim < kKTile || (kCausal && j0 + kKTile - 1 > i0))
+    if (k_lim < kKTile || (kBanded && !seq.inside(i0, i0 + kRows, j0, j0 + kKTile)))
       scores_grad(std::true_type{});
     else
       scores_grad(std::false_type{});
@@ -471,8 +531,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t i = i0 + row_l[mt][r];
-      if (i >= p.Sq) continue;
-      T *dqp = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + i * p.dq_st.seq;
+      if (i >= seq.sq) continue;
+      T *dqp = static_cast<T *>(p.dq) + seq.bs * p.dq_st.batch + h * p.dq_st.head + (seq.q_tok + i) * p.dq_st.seq;
       store_row(dqp, dq[mt], r, p.scale);
     }
 }
@@ -487,7 +547,7 @@ const char *allow_smem(K *kernel, size_t smem) {
   return nullptr;
 }
 
-template <int D, bool kCausal, class T>
+template <int D, bool kBanded, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   using C = Cfg<D>;
   const int64_t rows = fo_attn_bwd_rows(&p);  // a (batch, q head)'s rows of scratch
@@ -501,30 +561,37 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
                      static_cast<unsigned>(p.B * p.Hkv), D / C::kCols);
   constexpr size_t smem_kv =
       (2 * C::kKeys + 4 * C::kQTile) * D * sizeof(T) + 4 * C::kQTile * sizeof(float);
+  // Windows, varlen and soft-capping have their own dK, dV instances (kGeneral).
+  auto with_general = [&](auto launch_kv) {
+    return fo_attn_general(&p) ? launch_kv(std::true_type{}) : launch_kv(std::false_type{});
+  };
   if (p.wgmma) {  // dK, dV (and an atomic dq) on Hopper
     if (const char *e = fo_attn_bwd_wgmma_cuda(&p, stream)) return e;
     if (atomic) return nullptr;
   } else if (!atomic) {
-    auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, false, T>;
-    if (const char *e = allow_smem(dkdv, smem_kv)) return e;
-    dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, nullptr, rows);
-    if (const char *e = fo::last_error()) return e;
+    if (const char *e = with_general([&](auto general) {
+          auto dkdv = attn_bwd_dkdv_kernel<D, kBanded, false, decltype(general)::value, T>;
+          if (const char *e = allow_smem(dkdv, smem_kv)) return e;
+          dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(p, delta, lse2, nullptr, rows);
+          return fo::last_error();
+        }))
+      return e;
   } else {
     constexpr size_t smem_kvq = smem_kv + 2 * C::kKeys * C::kSubDq * sizeof(T);
-    // Only instantiated where this branch can be taken (D <= 64).
-    auto dkdv = attn_bwd_dkdv_kernel<D, kCausal, (D <= 64), T>;
+    // Only instantiated where this branch can be taken (D <= 64; never general).
+    auto dkdv = attn_bwd_dkdv_kernel<D, kBanded, (D <= 64), false, T>;
     if (const char *e = allow_smem(dkdv, smem_kvq)) return e;
-    dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, dq_acc, rows);
+    dkdv<<<grid_kv, kThreads, smem_kvq, stream>>>(p, delta, lse2, dq_acc, rows);
     if (const char *e = fo::last_error()) return e;
     attn_bwd_dq_convert_kernel<D, T><<<row_blocks<D>(p.B * p.Hq * rows), kRowBlock, 0, stream>>>(p, dq_acc);
     return fo::last_error();
   }
   constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
-  auto dqk = attn_bwd_dq_kernel<D, kCausal, T>;
+  auto dqk = attn_bwd_dq_kernel<D, kBanded, T>;
   if (const char *e = allow_smem(dqk, smem_q)) return e;
   const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
                     static_cast<unsigned>(p.B * p.Hq));
-  dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta, rows);
+  dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta, lse2, rows);
   return fo::last_error();
 }
 

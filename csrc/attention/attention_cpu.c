@@ -2,15 +2,21 @@
  * algorithm of FlashAttention-2 with fp32 tiles in per-thread scratch. Math,
  * layout and masking: attention.h.
  *
- * Forward: one task per (batch, q head, tile of BQ queries), K/V streamed in
- * tiles of BK keys (causal: only the tiles a query of the tile can see);
- * running max and sum per row, the output rescaled as the max grows.
- * Backward: a pass for delta = rowsum(dout * out); then one task per (batch,
- * kv head, split): the split's key tiles one after the other, dk/dv summed in
- * the tile over every q head of the group and every query tile that sees it,
- * dq tiles added into the split's own fp32 partial; last, the partials added
- * in split order. No atomics, no S x S matrix: extra memory is the partials
- * (splits x |dq| in fp32, splits = 1 when batch x kv heads fills the threads).
+ * Forward: one task per (sequence, q head, tile of BQ queries), K/V streamed
+ * in tiles of BK keys: only the keys some query of the tile sees (the window
+ * of attention.h's fo_attn_keys; causal is its window_right = 0); running max
+ * and sum per row, the output rescaled as the max grows.
+ * Backward: a pass for delta = rowsum(dout * out); then one task per
+ * (sequence, kv head, split): the split's key tiles one after the other, dk/dv
+ * summed in the tile over every q head of the group and every query tile that
+ * sees it, dq tiles added into the split's own fp32 partial; last, the
+ * partials added in split order. No atomics, no S x S matrix: extra memory is
+ * the partials (splits x |dq| in fp32, splits = 1 when sequences x kv heads
+ * fills the threads).
+ * A sequence is a batch entry (padded layout) or one of the packed sequences
+ * (varlen): tiles never cross it, so packed documents cost the sum of their
+ * own squares. Soft-capping maps each scaled score s to cap tanh(s / cap)
+ * before the softmax; the backward multiplies dS by its derivative 1 - tanh^2.
  *
  * FLOPs: 4 B Hq Sq Sk D forward (halved when causal), 2.5x that backward
  * (the five tile products; S is recomputed). Every product goes through one
@@ -92,6 +98,31 @@ FO_INLINE v8f v8_exp2(v8f x) {
 
 FO_INLINE float exp2_scalar(float x) { return v8_exp2(v8_splat(x))[0]; }
 
+/* tanh lane-wise (relative error a few 1e-7): below |x| = 0.625 Cephes'
+ * odd polynomial (1 - 2 / (e^2x + 1) would lose the small values to
+ * cancellation), above it 1 - 2 / (e^{2|x|} + 1) with x's sign (exp2 saturates
+ * at 2^127: +-1 for large |x| and inf); NaN stays NaN. */
+FO_INLINE v8f v8_tanh(v8f x) {
+  const v8i sign = (v8i)x & (int32_t)0x80000000;
+  const v8f a = (v8f)((v8i)x ^ sign), z = x * x;
+  const v8f poly =
+      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+       3.33332819422e-1f) * z * x + x;
+  const v8f big = (v8f)((v8i)(1.0f - 2.0f / (v8_exp2(a * (2.0f * LOG2E)) + 1.0f)) | sign);
+  return v8_select(x == x, v8_select(a < 0.625f, poly, big), x);
+}
+
+/* Scores in log2 units (the softmax runs on exp2) from raw products q.k:
+ * s scale log2e, or soft-capped, cap tanh(s scale / cap) log2e. *t gets the
+ * tanh (the backward's derivative 1 - t^2) where capped. */
+FO_INLINE v8f log2_scores(const fo_attn_params *p, v8f raw, v8f *t) {
+  if (p->softcap > 0.0f) {
+    *t = v8_tanh(raw * (p->scale / p->softcap));
+    return *t * (p->softcap * LOG2E);
+  }
+  return raw * (p->scale * LOG2E);
+}
+
 /* C[M, N] (+)= A[M, K] B[K, N]: A element (i, k) at A[i * rsa + k * csa], so
  * that A may be a transposed tile; B and C row-major. M a multiple of 4, N of
  * 16; K any. Each 4 x 16 block of C stays in eight vector registers across the
@@ -151,9 +182,81 @@ static inline int64_t q_off(const fo_attn_strides *s, int64_t b, int64_t i, int6
   return b * s->batch + i * s->seq + h * s->head;
 }
 
-/* Last key (exclusive) that query rows [i0, i0 + n) can see. */
-static inline int64_t key_end(const fo_attn_params *p, int64_t i0, int64_t n) {
-  return p->causal ? min64(p->Sk, i0 + n) : p->Sk;
+/* ------------------------------------------------------ sequences, masks */
+
+/* One sequence of a call: padded, batch entry b (Sq queries, Sk keys);
+ * varlen, packed sequence b. Its query i is row q0 + i of batch entry bb of
+ * the tensors (bb: 0 in varlen, where batch strides are unused), key j row
+ * k0 + j. Masks (fo_attn_keys) count i and j from the sequence's start. */
+typedef struct seq_t {
+  int64_t bb, q0, k0, sq, sk;
+} seq_t;
+
+static inline seq_t seq_of(const fo_attn_params *p, int64_t b) {
+  if (!p->cu_seqlens_q) return (seq_t){b, 0, 0, p->Sq, p->Sk};
+  const int32_t *cq = p->cu_seqlens_q, *ck = p->cu_seqlens_k;
+  return (seq_t){0, cq[b], ck[b], cq[b + 1] - cq[b], ck[b + 1] - ck[b]};
+}
+
+/* Rows of each (batch entry, q head) in the backward's scratch (delta, the
+ * dq partials): Sq, or total_q in varlen (attention.h, fo_attn_cpu_rows). */
+static inline int64_t head_rows(const fo_attn_params *p) {
+  return p->cu_seqlens_q ? p->cu_seqlens_q[p->B] : p->Sq;
+}
+static inline int64_t scratch_row(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i) {
+  return (s->bb * p->Hq + h) * head_rows(p) + s->q0 + i;
+}
+static inline float *lse_at(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i) {
+  return p->lse + s->bb * p->lse_st.batch + h * p->lse_st.head + (s->q0 + i) * p->lse_st.seq;
+}
+
+/* The keys each of the n rows of a query tile (queries i0.. of s) sees,
+ * [lo[r], hi[r]) (none: lo = hi = 0; so too rows n..BQ, which the tiles
+ * compute on padding), and those of the whole tile: [*jlo, *jhi) the keys
+ * some row sees (*jhi <= *jlo: none), [*all_lo, *all_hi) those every row sees. */
+typedef struct tile_keys {
+  int32_t lo[BQ], hi[BQ];
+  int64_t jlo, jhi, all_lo, all_hi;
+} tile_keys;
+
+static void keys_of_rows(const fo_attn_params *p, const seq_t *s, int64_t i0, int64_t n, tile_keys *tk) {
+  tk->jlo = s->sk, tk->jhi = 0, tk->all_lo = 0, tk->all_hi = s->sk;
+  for (int64_t r = 0; r < BQ; ++r) {
+    int64_t lo = 0, hi = 0;
+    if (r < n) fo_attn_keys(p, i0 + r, s->sq, s->sk, &lo, &hi);
+    if (hi <= lo) lo = hi = 0;
+    tk->lo[r] = (int32_t)lo, tk->hi[r] = (int32_t)hi;
+    if (r >= n) continue;
+    if (lo < hi) tk->jlo = lo < tk->jlo ? lo : tk->jlo, tk->jhi = hi > tk->jhi ? hi : tk->jhi;
+    tk->all_lo = lo > tk->all_lo ? lo : tk->all_lo, tk->all_hi = hi < tk->all_hi ? hi : tk->all_hi;
+  }
+}
+
+/* Lanes c..c+7 of a key tile starting at key j0 that row r sees. */
+FO_INLINE v8i visible_lanes(const tile_keys *tk, int64_t r, int64_t j0, int64_t c) {
+  const v8i col = v8_iota(j0 + c);
+  return (col >= tk->lo[r]) & (col < tk->hi[r]);
+}
+
+/* The queries [*ilo, *ihi) of s whose keys (fo_attn_keys: both ends
+ * non-decreasing in the query) reach past j0 and start before j1: every
+ * query that sees a key of [j0, j1), found by bisection so that the mask rule
+ * stays in fo_attn_keys alone. */
+static void queries_of_keys(const fo_attn_params *p, const seq_t *s, int64_t j0, int64_t j1, int64_t *ilo,
+                            int64_t *ihi) {
+  int64_t a = 0, b = s->sq, lo, hi;
+  while (a < b) { /* the first query whose keys end after j0 */
+    const int64_t m = a + (b - a) / 2;
+    fo_attn_keys(p, m, s->sq, s->sk, &lo, &hi);
+    if (hi > j0) b = m; else a = m + 1;
+  }
+  *ilo = a, b = s->sq;
+  while (a < b) { /* the first query whose keys start at j1 or later */
+    const int64_t m = a + (b - a) / 2;
+    fo_attn_keys(p, m, s->sq, s->sk, &lo, &hi);
+    if (lo >= j1) b = m; else a = m + 1;
+  }
+  *ihi = a;
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -169,21 +272,19 @@ FO_INLINE void start_rows(int64_t n, float *o, int64_t ldo, float *m, float *l) 
 }
 
 /* One key tile (keys j0.., nk of them) of the online softmax over rows
- * [0, mq) of a query tile (rows i0..): s [mq, BK] the fp32 scores (nk rounded
- * up to 16 of them read; masked: keys past nk and, causal, after the row),
- * replaced by p = exp2(s scale log2e - m); m, l the running max (log2 units)
- * and sum of each row; o [mq, ldo] the output rows, rescaled as the max grows. */
-FO_INLINE void softmax_rows(const fo_attn_params *p, int64_t i0, int64_t j0, int64_t mq, int64_t nk,
+ * [0, mq) of a query tile: s [mq, BK] the raw fp32 products q.k (nk rounded
+ * up to 16 of them read; masked: keys past nk and those a row does not see,
+ * tk), replaced by p = exp2(score - m); m, l the running max (log2 units) and
+ * sum of each row; o [mq, ldo] the output rows, rescaled as the max grows. */
+FO_INLINE void softmax_rows(const fo_attn_params *p, const tile_keys *tk, int64_t j0, int64_t mq, int64_t nk,
                             float *s_tile, float *m, float *l, float *o_tile, int64_t ldo) {
-  const float scale2 = p->scale * LOG2E; /* scores in log2 units: exp2 */
   const int64_t nk16 = round_up(nk, 16);
   for (int64_t r = 0; r < mq; ++r) {
     float *s = s_tile + r * BK;
-    /* visible: key j0 + c exists and (causal) j0 + c <= i0 + r */
-    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
-    v8f mx = v8_splat(-INFINITY);
+    v8f mx = v8_splat(-INFINITY), t;
     for (int64_t c = 0; c < nk16; c += 8) {
-      const v8f x = v8_select(v8_iota(c) < (int32_t)vis, v8_load(s + c) * scale2, v8_splat(-INFINITY));
+      const v8i vis = visible_lanes(tk, r, j0, c) & (v8_iota(c) < (int32_t)nk);
+      const v8f x = v8_select(vis, log2_scores(p, v8_load(s + c), &t), v8_splat(-INFINITY));
       v8_store(s + c, x);
       mx = v8_select(x > mx, x, mx);
     }
@@ -206,20 +307,19 @@ FO_INLINE void softmax_rows(const fo_attn_params *p, int64_t i0, int64_t j0, int
   }
 }
 
-/* Rows [0, nq) of a finished query tile (rows i0.. of (batch b, head h)):
+/* Rows [0, nq) of a finished query tile (queries i0.. of s, head h):
  * out = o / l, lse = (m + log2 l) ln 2. l = 0: no key seen (out 0, lse -inf).
  * A NaN l (a NaN or an inf - inf among the scores) stays NaN in out and lse,
  * as in eager softmax, so that the backward's P = exp(s - lse) is NaN too. */
-FO_INLINE void store_rows(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0, int64_t nq,
+FO_INLINE void store_rows(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t nq,
                           const float *m, const float *l, float *o_tile, int64_t ldo) {
   const fo_dtype t = p->dtype;
   for (int64_t r = 0; r < nq; ++r) {
     const float inv = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;
     float *o = o_tile + r * ldo;
     for (int64_t d = 0; d < p->D; ++d) o[d] *= inv;
-    fo_store_row(t, (char *)p->out + q_off(&p->out_st, b, i0 + r, h) * fo_dtype_size(t), o, p->D);
-    p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] =
-        l[r] != 0.0f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
+    fo_store_row(t, (char *)p->out + q_off(&p->out_st, s->bb, s->q0 + i0 + r, h) * fo_dtype_size(t), o, p->D);
+    *lse_at(p, s, h, i0 + r) = l[r] != 0.0f ? (m[r] + log2f(l[r])) / LOG2E : -INFINITY;
   }
 }
 
@@ -231,26 +331,26 @@ typedef struct fwd_scratch {
   float *s;      /* [BQ, BK]: scores, then probabilities */
   float *tmp;    /* [Dp] */
   float m[BQ], l[BQ];
+  tile_keys keys;
 } fwd_scratch;
 
-/* One tile of BQ query rows of one (batch, head). */
-static void fwd_tile(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
-                               fwd_scratch *w) {
+/* One tile of BQ query rows (queries i0.. of s, head h). */
+static void fwd_tile(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, fwd_scratch *w) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, Dp = round_up(D, 16), hk = h / (p->Hq / p->Hkv);
-  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
-  load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
+  const int64_t nq = min64(BQ, s->sq - i0), mq = round_up(nq, 4);
+  load_rows(t, p->q, q_off(&p->q_st, s->bb, s->q0 + i0, h), p->q_st.seq, nq, D, w->q, Dp);
   start_rows(mq, w->o, Dp, w->m, w->l);
-  const int64_t kend = key_end(p, i0, nq);
-  for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-    const int64_t nk = min64(BK, kend - j0), nk16 = round_up(nk, 16);
-    load_rows_t(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
-    load_rows(t, p->v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D, w->v, Dp);
+  keys_of_rows(p, s, i0, nq, &w->keys);
+  for (int64_t j0 = w->keys.jlo; j0 < w->keys.jhi; j0 += BK) {
+    const int64_t nk = min64(BK, w->keys.jhi - j0), nk16 = round_up(nk, 16);
+    load_rows_t(t, p->k, q_off(&p->k_st, s->bb, s->k0 + j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
+    load_rows(t, p->v, q_off(&p->v_st, s->bb, s->k0 + j0, hk), p->v_st.seq, nk, D, w->v, Dp);
     gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->s, BK, 0);
-    softmax_rows(p, i0, j0, mq, nk, w->s, w->m, w->l, w->o, Dp);
+    softmax_rows(p, &w->keys, j0, mq, nk, w->s, w->m, w->l, w->o, Dp);
     gemm_tile(mq, Dp, nk, w->s, BK, 1, w->v, Dp, w->o, Dp, 1);
   }
-  store_rows(p, b, h, i0, nq, w->m, w->l, w->o, Dp);
+  store_rows(p, s, h, i0, nq, w->m, w->l, w->o, Dp);
 }
 
 /* A thread's scratch is one zeroed block of 4-byte words (floats, or pairs of
@@ -407,6 +507,7 @@ typedef struct fwd_scratch_bf16 {
   float *st;      /* [BK, BQ]: S^T, then P^T */
   float *o;       /* [BQ, D] */
   float m[BQ], l[BQ], alpha[BQ];
+  tile_keys keys;
 } fwd_scratch_bf16;
 
 static uint32_t *fwd_scratch_bf16_init(fwd_scratch_bf16 *w, int64_t D) {
@@ -422,34 +523,36 @@ static uint32_t *fwd_scratch_bf16_init(fwd_scratch_bf16 *w, int64_t D) {
   return c.base;
 }
 
-FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
+FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0,
                                             fwd_scratch_bf16 *w) {
   const int64_t D = p->D, D2 = D / 2, hk = h / (p->Hq / p->Hkv);
-  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4), nq32 = round_up(nq, 32);
-  const float scale2 = p->scale * LOG2E;
+  const int64_t nq = min64(BQ, s->sq - i0), mq = round_up(nq, 4), nq32 = round_up(nq, 32);
   const uint16_t *q = (const uint16_t *)p->q, *kb = (const uint16_t *)p->k, *vb = (const uint16_t *)p->v;
+  const tile_keys *tk = &w->keys;
   /* Q^T pairs (queries past nq: zeros) */
   memset(w->qt, 0, sizeof(uint32_t) * (size_t)(D2 * BQ));
-  pack_pairs_t(w->qt, BQ, q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D2);
+  pack_pairs_t(w->qt, BQ, q, q_off(&p->q_st, s->bb, s->q0 + i0, h), p->q_st.seq, nq, D2);
   start_rows(BQ, w->o, D, w->m, w->l);
-  const int64_t kend = key_end(p, i0, nq);
-  for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-    const int64_t nk = min64(BK, kend - j0), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
+  keys_of_rows(p, s, i0, nq, &w->keys);
+  for (int64_t j0 = tk->jlo; j0 < tk->jhi; j0 += BK) {
+    const int64_t nk = min64(BK, tk->jhi - j0), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
+    /* every row sees every key of the tile: no mask */
+    const int whole = tk->all_lo <= j0 && j0 + nk <= tk->all_hi;
     /* S^T = K Q^T: K rows in place, or (a tail tile) copied and zero-padded to mk */
     int64_t krs;
-    const pair_u *krows = rows_as_pairs(kb, &p->k_st, b, j0, hk, nk, mk, D, w->k, &krs);
+    const pair_u *krows = rows_as_pairs(kb, &p->k_st, s->bb, s->k0 + j0, hk, nk, mk, D, w->k, &krs);
     gemm_bf16(mk, nq32, D2, krows, krs, 1, w->qt, BQ, w->st, BQ, 0);
     /* online softmax down the key rows, 8 queries a vector */
     for (int64_t i = 0; i < nq32; i += 8) {
-      const v8i qi = v8_iota(i0 + i - j0); /* query - j0 of each lane */
-      v8f mx = v8_splat(-INFINITY);
+      const v8i lo = *(const v8i *)(tk->lo + i), hi = *(const v8i *)(tk->hi + i); /* each lane's keys */
+      v8f mx = v8_splat(-INFINITY), t;
       for (int64_t c = 0; c < nk; ++c) {
-        v8f x = v8_load(w->st + c * BQ + i) * scale2;
-        if (p->causal) x = v8_select(qi >= (int32_t)c, x, v8_splat(-INFINITY));
+        v8f x = log2_scores(p, v8_load(w->st + c * BQ + i), &t);
+        if (!whole) x = v8_select((lo <= (int32_t)(j0 + c)) & (hi > (int32_t)(j0 + c)), x, v8_splat(-INFINITY));
         v8_store(w->st + c * BQ + i, x);
         mx = v8_select(x > mx, x, mx);
       }
-      const v8f m_old = v8_load(w->m + i), m_new = v8_select(mx > m_old, mx, m_old);
+    const v8f m_old = v8_load(w->m + i), m_new = v8_select(mx > m_old, mx, m_old);
       const v8f shift = v8_select(m_new == v8_splat(-INFINITY), v8_splat(0.0f), m_new);
       v8_store(w->alpha + i, v8_exp2(m_old - shift));
       v8_store(w->m + i, m_new);
@@ -468,13 +571,13 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, int64_t b, 
     for (int64_t pp = 0; pp < nk2; ++pp) {
       const int two = 2 * pp + 1 < nk;
       pack_rows2_f32(w->pt + pp * BQ, w->st + 2 * pp * BQ, two ? w->st + (2 * pp + 1) * BQ : NULL, nq32);
-      pack_rows2(w->v + pp * D, vb + q_off(&p->v_st, b, j0 + 2 * pp, hk),
-                 two ? vb + q_off(&p->v_st, b, j0 + 2 * pp + 1, hk) : NULL, D);
+      pack_rows2(w->v + pp * D, vb + q_off(&p->v_st, s->bb, s->k0 + j0 + 2 * pp, hk),
+                 two ? vb + q_off(&p->v_st, s->bb, s->k0 + j0 + 2 * pp + 1, hk) : NULL, D);
     }
     /* O += P V: A(i, p) = P^T pair p of query i */
     gemm_bf16(mq, D, nk2, (const pair_u *)w->pt, 1, BQ, w->v, D, w->o, D, 1);
   }
-  store_rows(p, b, h, i0, nq, w->m, w->l, w->o, D);
+  store_rows(p, s, h, i0, nq, w->m, w->l, w->o, D);
 }
 #endif
 
@@ -485,14 +588,36 @@ static int bf16_dot_tiles(const fo_attn_params *p) {
 }
 #endif
 
+/* The forward's tasks, sequence by sequence: sequence b has Hq x (its query
+ * tiles) of them, from first[b] on (first[B]: the count). NULL: out of memory. */
+static int64_t *fwd_tasks(const fo_attn_params *p) {
+  int64_t *first = malloc(sizeof(int64_t) * (size_t)(p->B + 1));
+  if (!first) return NULL;
+  first[0] = 0;
+  for (int64_t b = 0; b < p->B; ++b) first[b + 1] = first[b] + p->Hq * ((seq_of(p, b).sq + BQ - 1) / BQ);
+  return first;
+}
+
+/* The sequence that task belongs to: the last b with first[b] <= task. */
+static int64_t task_seq(const int64_t *first, int64_t B, int64_t task) {
+  int64_t a = 0, b = B - 1;
+  while (a < b) {
+    const int64_t m = a + (b - a + 1) / 2;
+    if (first[m] <= task) a = m; else b = m - 1;
+  }
+  return a;
+}
+
 const char *FO_FN(fo_attn_fwd_cpu)(const fo_attn_params *p) {
-  const int64_t Dp = round_up(p->D, 16), qtiles = (p->Sq + BQ - 1) / BQ;
-  const int64_t tasks = p->B * p->Hq * qtiles;
+  const int64_t Dp = round_up(p->D, 16);
+  int64_t *first = fwd_tasks(p);
+  if (!first) return FO_CPU_OOM;
+  const int64_t tasks = first[p->B];
 #if FO_LEVEL >= 4
   const int bf16_dot = bf16_dot_tiles(p);
 #endif
   int missing = 0;
-#pragma omp parallel if (fo_parallel(tasks, p->B * p->Hq * p->Sq * p->Sk * p->D))
+#pragma omp parallel if (fo_parallel(tasks, fo_attn_cpu_rows(p) * p->Sk * p->D))
   {
     fwd_scratch w = {0};
 #if FO_LEVEL >= 4
@@ -502,21 +627,24 @@ const char *FO_FN(fo_attn_fwd_cpu)(const fo_attn_params *p) {
     uint32_t *block = fwd_scratch_init(&w, Dp);
 #endif
     if (fo_every_thread_has(block, &missing)) {
-      /* dynamic: causal tiles differ in cost */
+      /* dynamic: tiles differ in cost (causal, windows, sequence lengths) */
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t it = task % qtiles, bh = task / qtiles;
+        const int64_t b = task_seq(first, p->B, task);
+        const seq_t s = seq_of(p, b);
+        const int64_t qtiles = (s.sq + BQ - 1) / BQ, it = (task - first[b]) % qtiles, h = (task - first[b]) / qtiles;
 #if FO_LEVEL >= 4
         if (bf16_dot) {
-          fwd_tile_bf16(p, bh / p->Hq, bh % p->Hq, it * BQ, &wb);
+          fwd_tile_bf16(p, &s, h, it * BQ, &wb);
           continue;
         }
 #endif
-        fwd_tile(p, bh / p->Hq, bh % p->Hq, it * BQ, &w);
+        fwd_tile(p, &s, h, it * BQ, &w);
       }
     }
     free(block);
   }
+  free(first);
   return missing ? FO_CPU_OOM : NULL;
 }
 FO_ENTRY(const char *, fo_attn_fwd_cpu, (const fo_attn_params *p), (p))
@@ -534,10 +662,19 @@ int64_t fo_attn_bwd_cpu_splits(const fo_attn_params *p) {
 }
 #endif
 
-/* delta[b, h, i] = sum_d dout * out: one fp32 per query row. */
+/* The batch entry, q head and row along the seq dimension of a scratch row
+ * (scratch_row's inverse). */
+static inline void row_place(const fo_attn_params *p, int64_t row, int64_t *b, int64_t *h, int64_t *i) {
+  const int64_t n = head_rows(p);
+  *i = row % n, *h = (row / n) % p->Hq, *b = row / (n * p->Hq);
+}
+
+/* delta[row] = sum_d dout * out: one fp32 per query row. */
 static void bwd_delta(const fo_attn_params *p, int64_t row, float *delta, float *tmp) {
   const fo_dtype t = p->dtype;
-  const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
+  const int64_t D = p->D;
+  int64_t b, h, i;
+  row_place(p, row, &b, &h, &i);
   float *x = tmp, *y = tmp + D;
   fo_load_row(t, elem(p->dout, t, q_off(&p->dout_st, b, i, h)), x, D);
   fo_load_row(t, elem(p->out, t, q_off(&p->out_st, b, i, h)), y, D);
@@ -552,6 +689,7 @@ typedef struct bwd_scratch {
   float *dk, *dv;       /* [BK, Dp] */
   float *pr, *ds;       /* [BQ, BK]: probabilities; dp, then ds */
   float *tmp;           /* [2 Dp]: delta's two rows, a row of dQ */
+  tile_keys keys;       /* of the query tile in hand */
 } bwd_scratch;
 
 static uint32_t *bwd_scratch_init(bwd_scratch *w, int64_t Dp) {
@@ -572,25 +710,27 @@ static uint32_t *bwd_scratch_init(bwd_scratch *w, int64_t Dp) {
   return c.base;
 }
 
-/* P = exp2(s scale log2e - lse log2e) and dS = P (dP - delta) over rows
- * [0, nq) of a query tile (rows i0.. of (b, h)) against keys j0.. (nk of
- * them; masked ones and those past nk, rounded up to 16, get 0): pr holds the
- * scores and takes P, ds holds dP and takes dS, both [BQ, BK]; delta: the
- * tile's first row's. */
-FO_INLINE void probs_rows(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0, int64_t j0,
-                          int64_t nq, int64_t nk, const float *delta, float *pr_tile, float *ds_tile) {
-  const float scale2 = p->scale * LOG2E;
+/* P = exp2(score - lse log2e) and dS = P (dP - delta) (soft-capped: times
+ * 1 - tanh^2, the cap's derivative) over rows [0, nq) of a query tile
+ * (queries i0.. of s, head h) against keys j0.. (nk of them; those a row does
+ * not see, tk, and those past nk, rounded up to 16, get 0): pr holds the raw
+ * products q.k and takes P, ds holds dP and takes dS, both [BQ, BK]; delta:
+ * the tile's first row's. */
+FO_INLINE void probs_rows(const fo_attn_params *p, const seq_t *s, const tile_keys *tk, int64_t h, int64_t i0,
+                          int64_t j0, int64_t nq, int64_t nk, const float *delta, float *pr_tile, float *ds_tile) {
   const int64_t nk16 = round_up(nk, 16);
   for (int64_t r = 0; r < nq; ++r) {
-    const float lse2 = p->lse[b * p->lse_st.batch + h * p->lse_st.head + (i0 + r) * p->lse_st.seq] * LOG2E;
+    const float lse2 = *lse_at(p, s, h, i0 + r) * LOG2E;
     const float dl = delta[r];
-    const int64_t vis = p->causal ? (i0 + r < j0 ? 0 : min64(nk, i0 + r - j0 + 1)) : nk;
     float *pr = pr_tile + r * BK, *ds = ds_tile + r * BK;
     for (int64_t c = 0; c < nk16; c += 8) {
-      const v8i visible = v8_iota(c) < (int32_t)vis;
-      const v8f pc = v8_select(visible, v8_exp2(v8_load(pr + c) * scale2 - lse2), v8_splat(0.0f));
+      const v8i visible = visible_lanes(tk, r, j0, c) & (v8_iota(c) < (int32_t)nk);
+      v8f t;
+      const v8f pc = v8_select(visible, v8_exp2(log2_scores(p, v8_load(pr + c), &t) - lse2), v8_splat(0.0f));
+      v8f dsc = pc * (v8_load(ds + c) - dl);
+      if (p->softcap > 0.0f) dsc *= 1.0f - t * t;
       v8_store(pr + c, pc);
-      v8_store(ds + c, v8_select(visible, pc * (v8_load(ds + c) - dl), v8_splat(0.0f)));
+      v8_store(ds + c, v8_select(visible, dsc, v8_splat(0.0f)));
     }
   }
 }
@@ -602,32 +742,32 @@ FO_INLINE void add_rows(float *dst, int64_t ldd, const float *src, int64_t lds, 
 }
 
 /* A key tile's finished dk (times scale) and dv rows, keys j0.. (nk of them)
- * of (b, kv head hk), from fp32 tiles with rows ld apart. */
-FO_INLINE void store_dkdv(const fo_attn_params *p, int64_t b, int64_t hk, int64_t j0, int64_t nk,
+ * of s, kv head hk, from fp32 tiles with rows ld apart. */
+FO_INLINE void store_dkdv(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t j0, int64_t nk,
                           float *dk_tile, const float *dv_tile, int64_t ld) {
   const fo_dtype t = p->dtype;
   for (int64_t r = 0; r < nk; ++r) {
     float *dk = dk_tile + r * ld;
     for (int64_t d = 0; d < p->D; ++d) dk[d] *= p->scale;
-    fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, b, j0 + r, hk) * fo_dtype_size(t), dk, p->D);
-    fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, b, j0 + r, hk) * fo_dtype_size(t), dv_tile + r * ld, p->D);
+    const int64_t j = s->k0 + j0 + r;
+    fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, s->bb, j, hk) * fo_dtype_size(t), dk, p->D);
+    fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, s->bb, j, hk) * fo_dtype_size(t), dv_tile + r * ld, p->D);
   }
 }
 
-/* The contribution of one query tile (rows i0.., head h) to the key tile in w
- * (keys j0.., nk of them): dk, dv in w; dq rows added into dq_part. */
-static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
-                               int64_t j0, int64_t nk, const float *delta, float *dq_part,
-                               bwd_scratch *w) {
+/* The contribution of one query tile (queries i0.. of s, nq of them, head h)
+ * to the key tile in w (keys j0.., nk of them): dk, dv in w; dq rows added
+ * into dq_part. */
+static void bwd_pair(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t nq, int64_t j0,
+                     int64_t nk, const float *delta, float *dq_part, bwd_scratch *w) {
   const fo_dtype t = p->dtype;
-  const int64_t D = p->D, Dp = round_up(D, 16), nk16 = round_up(nk, 16);
-  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4);
-  const int64_t row0 = (b * p->Hq + h) * p->Sq + i0; /* of delta and dq_part */
-  load_rows(t, p->q, q_off(&p->q_st, b, i0, h), p->q_st.seq, nq, D, w->q, Dp);
-  load_rows(t, p->dout, q_off(&p->dout_st, b, i0, h), p->dout_st.seq, nq, D, w->dout, Dp);
+  const int64_t D = p->D, Dp = round_up(D, 16), nk16 = round_up(nk, 16), mq = round_up(nq, 4);
+  const int64_t row0 = scratch_row(p, s, h, i0); /* of delta and dq_part */
+  load_rows(t, p->q, q_off(&p->q_st, s->bb, s->q0 + i0, h), p->q_st.seq, nq, D, w->q, Dp);
+  load_rows(t, p->dout, q_off(&p->dout_st, s->bb, s->q0 + i0, h), p->dout_st.seq, nq, D, w->dout, Dp);
   gemm_tile(mq, nk16, Dp, w->q, Dp, 1, w->kt, BK, w->pr, BK, 0);    /* s = q k^T */
   gemm_tile(mq, nk16, Dp, w->dout, Dp, 1, w->vt, BK, w->ds, BK, 0); /* dp = dout v^T */
-  probs_rows(p, b, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
+  probs_rows(p, s, &w->keys, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
   /* rows nq..mq of pr / ds are never read: the products below sum over nq rows */
   gemm_tile(nk16, Dp, nq, w->pr, 1, BK, w->dout, Dp, w->dv, Dp, 1); /* dv += p^T dout */
   gemm_tile(nk16, Dp, nq, w->ds, 1, BK, w->q, Dp, w->dk, Dp, 1);    /* dk += ds^T q */
@@ -635,25 +775,34 @@ static void bwd_pair(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
   add_rows(dq_part + row0 * D, D, w->dq, Dp, nq, D);
 }
 
-/* One task: key tiles split, split + splits, ... of (batch b, kv head hk). */
-static void bwd_task(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
+/* dq partial of a split: splits of fo_attn_cpu_rows x D floats each. */
+static inline float *dq_partial(const fo_attn_params *p, int64_t split) {
+  return p->workspace + split * fo_attn_cpu_rows(p) * p->D;
+}
+
+/* One task: key tiles split, split + splits, ... of sequence s, kv head hk;
+ * each against the query tiles that see some key of it. */
+static void bwd_task(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t split,
                                const float *delta, bwd_scratch *w) {
   const fo_dtype t = p->dtype;
   const int64_t D = p->D, Dp = round_up(D, 16), G = p->Hq / p->Hkv;
-  const int64_t ktiles = (p->Sk + BK - 1) / BK;
-  float *dq_part = p->workspace + split * p->B * p->Hq * p->Sq * D;
+  const int64_t ktiles = (s->sk + BK - 1) / BK;
+  float *dq_part = dq_partial(p, split);
   for (int64_t jt = split; jt < ktiles; jt += p->splits) {
-    const int64_t j0 = jt * BK, nk = min64(BK, p->Sk - j0), nk16 = round_up(nk, 16);
-    load_rows(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->k, Dp);
-    load_rows_t(t, p->k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
-    load_rows_t(t, p->v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D, w->vt, BK, w->tmp);
+    const int64_t j0 = jt * BK, nk = min64(BK, s->sk - j0), nk16 = round_up(nk, 16), koff = s->k0 + j0;
+    load_rows(t, p->k, q_off(&p->k_st, s->bb, koff, hk), p->k_st.seq, nk, D, w->k, Dp);
+    load_rows_t(t, p->k, q_off(&p->k_st, s->bb, koff, hk), p->k_st.seq, nk, D, w->kt, BK, w->tmp);
+    load_rows_t(t, p->v, q_off(&p->v_st, s->bb, koff, hk), p->v_st.seq, nk, D, w->vt, BK, w->tmp);
     memset(w->dk, 0, sizeof(float) * (size_t)(nk16 * Dp));
     memset(w->dv, 0, sizeof(float) * (size_t)(nk16 * Dp));
-    /* causal: query i sees key j0 only from i = j0 on */
-    const int64_t i_start = p->causal ? j0 / BQ * BQ : 0;
-    for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
-      for (int64_t i0 = i_start; i0 < p->Sq; i0 += BQ) bwd_pair(p, b, h, i0, j0, nk, delta, dq_part, w);
-    store_dkdv(p, b, hk, j0, nk, w->dk, w->dv, Dp);
+    int64_t ilo, ihi;
+    queries_of_keys(p, s, j0, j0 + nk, &ilo, &ihi);
+    for (int64_t i0 = ilo; i0 < ihi; i0 += BQ) {
+      const int64_t nq = min64(BQ, ihi - i0);
+      keys_of_rows(p, s, i0, nq, &w->keys);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) bwd_pair(p, s, h, i0, nq, j0, nk, delta, dq_part, w);
+    }
+    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, Dp);
   }
 }
 
@@ -677,6 +826,7 @@ typedef struct bwd_scratch_bf16 {
   float *dk, *dv;    /* [BK, D] */
   float *dq;         /* [BQ, D] */
   float *tmp;        /* [2 D]: delta's two rows, a row of dQ */
+  tile_keys keys;    /* of the query tile in hand */
 } bwd_scratch_bf16;
 
 static uint32_t *bwd_scratch_bf16_init(bwd_scratch_bf16 *w, int64_t D) {
@@ -702,28 +852,28 @@ static uint32_t *bwd_scratch_bf16_init(bwd_scratch_bf16 *w, int64_t D) {
   return c.base;
 }
 
-FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, int64_t b, int64_t h, int64_t i0,
-                                            int64_t j0, int64_t nk, const float *delta, float *dq_part,
-                                            bwd_scratch_bf16 *w) {
+FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0,
+                                            int64_t nq, int64_t j0, int64_t nk, const float *delta,
+                                            float *dq_part, bwd_scratch_bf16 *w) {
   const int64_t D = p->D, D2 = D / 2, nk32 = round_up(nk, 32), mk = round_up(nk, 4), nk2 = (nk + 1) / 2;
-  const int64_t nq = min64(BQ, p->Sq - i0), mq = round_up(nq, 4), nq2 = (nq + 1) / 2;
-  const int64_t row0 = (b * p->Hq + h) * p->Sq + i0; /* of delta and dq_part */
+  const int64_t mq = round_up(nq, 4), nq2 = (nq + 1) / 2, i = s->q0 + i0;
+  const int64_t row0 = scratch_row(p, s, h, i0); /* of delta and dq_part */
   const uint16_t *q = (const uint16_t *)p->q, *dout = (const uint16_t *)p->dout;
   int64_t qrs, drs;
-  const pair_u *qa = rows_as_pairs(q, &p->q_st, b, i0, h, nq, mq, D, w->qa, &qrs);
-  const pair_u *da = rows_as_pairs(dout, &p->dout_st, b, i0, h, nq, mq, D, w->da, &drs);
+  const pair_u *qa = rows_as_pairs(q, &p->q_st, s->bb, i, h, nq, mq, D, w->qa, &qrs);
+  const pair_u *da = rows_as_pairs(dout, &p->dout_st, s->bb, i, h, nq, mq, D, w->da, &drs);
   gemm_bf16(mq, nk32, D2, qa, qrs, 1, w->kt, BK, w->pr, BK, 0); /* s = q k^T */
   gemm_bf16(mq, nk32, D2, da, drs, 1, w->vt, BK, w->ds, BK, 0); /* dp = dout v^T */
-  probs_rows(p, b, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
+  probs_rows(p, s, &w->keys, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
   /* pairs of queries (an odd last one with zeros) for dV, dK */
   for (int64_t pp = 0; pp < nq2; ++pp) {
     const int two = 2 * pp + 1 < nq;
     pack_rows2_f32(w->pq + pp * BK, w->pr + 2 * pp * BK, two ? w->pr + (2 * pp + 1) * BK : NULL, nk32);
     pack_rows2_f32(w->sq + pp * BK, w->ds + 2 * pp * BK, two ? w->ds + (2 * pp + 1) * BK : NULL, nk32);
-    pack_rows2(w->qr + pp * D, q + q_off(&p->q_st, b, i0 + 2 * pp, h),
-               two ? q + q_off(&p->q_st, b, i0 + 2 * pp + 1, h) : NULL, D);
-    pack_rows2(w->dr + pp * D, dout + q_off(&p->dout_st, b, i0 + 2 * pp, h),
-               two ? dout + q_off(&p->dout_st, b, i0 + 2 * pp + 1, h) : NULL, D);
+    pack_rows2(w->qr + pp * D, q + q_off(&p->q_st, s->bb, i + 2 * pp, h),
+               two ? q + q_off(&p->q_st, s->bb, i + 2 * pp + 1, h) : NULL, D);
+    pack_rows2(w->dr + pp * D, dout + q_off(&p->dout_st, s->bb, i + 2 * pp, h),
+               two ? dout + q_off(&p->dout_st, s->bb, i + 2 * pp + 1, h) : NULL, D);
   }
   gemm_bf16(mk, D, nq2, (const pair_u *)w->pq, 1, BK, w->dr, D, w->dv, D, 1); /* dv += p^T dout */
   gemm_bf16(mk, D, nq2, (const pair_u *)w->sq, 1, BK, w->qr, D, w->dk, D, 1); /* dk += ds^T q */
@@ -733,27 +883,32 @@ FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, int64_t b, 
   add_rows(dq_part + row0 * D, D, w->dq, D, nq, D);
 }
 
-FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, int64_t b, int64_t hk, int64_t split,
+FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t split,
                                             const float *delta, bwd_scratch_bf16 *w) {
   const int64_t D = p->D, D2 = D / 2, G = p->Hq / p->Hkv;
-  const int64_t ktiles = (p->Sk + BK - 1) / BK;
+  const int64_t ktiles = (s->sk + BK - 1) / BK;
   const uint16_t *k = (const uint16_t *)p->k, *v = (const uint16_t *)p->v;
-  float *dq_part = p->workspace + split * p->B * p->Hq * p->Sq * D;
+  float *dq_part = dq_partial(p, split);
   for (int64_t jt = split; jt < ktiles; jt += p->splits) {
-    const int64_t j0 = jt * BK, nk = min64(BK, p->Sk - j0), nk2 = (nk + 1) / 2;
+    const int64_t j0 = jt * BK, nk = min64(BK, s->sk - j0), nk2 = (nk + 1) / 2, j = s->k0 + j0;
     memset(w->kt, 0, sizeof(uint32_t) * (size_t)(D2 * BK));
     memset(w->vt, 0, sizeof(uint32_t) * (size_t)(D2 * BK));
-    pack_pairs_t(w->kt, BK, k, q_off(&p->k_st, b, j0, hk), p->k_st.seq, nk, D2);
-    pack_pairs_t(w->vt, BK, v, q_off(&p->v_st, b, j0, hk), p->v_st.seq, nk, D2);
+    pack_pairs_t(w->kt, BK, k, q_off(&p->k_st, s->bb, j, hk), p->k_st.seq, nk, D2);
+    pack_pairs_t(w->vt, BK, v, q_off(&p->v_st, s->bb, j, hk), p->v_st.seq, nk, D2);
     for (int64_t pp = 0; pp < nk2; ++pp)
-      pack_rows2(w->kr + pp * D, k + q_off(&p->k_st, b, j0 + 2 * pp, hk),
-                 2 * pp + 1 < nk ? k + q_off(&p->k_st, b, j0 + 2 * pp + 1, hk) : NULL, D);
+      pack_rows2(w->kr + pp * D, k + q_off(&p->k_st, s->bb, j + 2 * pp, hk),
+                 2 * pp + 1 < nk ? k + q_off(&p->k_st, s->bb, j + 2 * pp + 1, hk) : NULL, D);
     memset(w->dk, 0, sizeof(float) * (size_t)(BK * D));
     memset(w->dv, 0, sizeof(float) * (size_t)(BK * D));
-    const int64_t i_start = p->causal ? j0 / BQ * BQ : 0; /* causal: query i sees key j0 from i = j0 on */
-    for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
-      for (int64_t i0 = i_start; i0 < p->Sq; i0 += BQ) bwd_pair_bf16(p, b, h, i0, j0, nk, delta, dq_part, w);
-    store_dkdv(p, b, hk, j0, nk, w->dk, w->dv, D);
+    int64_t ilo, ihi;
+    queries_of_keys(p, s, j0, j0 + nk, &ilo, &ihi);
+    for (int64_t i0 = ilo; i0 < ihi; i0 += BQ) {
+      const int64_t nq = min64(BQ, ihi - i0);
+      keys_of_rows(p, s, i0, nq, &w->keys);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+        bwd_pair_bf16(p, s, h, i0, nq, j0, nk, delta, dq_part, w);
+    }
+    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, D);
   }
 }
 #endif
@@ -761,8 +916,9 @@ FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, int64_t b, 
 /* dq[row] = scale * (sum over splits of the partials, in split order). */
 static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
   const fo_dtype t = p->dtype;
-  const int64_t D = p->D, i = row % p->Sq, h = (row / p->Sq) % p->Hq, b = row / (p->Sq * p->Hq);
-  const int64_t part = p->B * p->Hq * p->Sq * D;
+  const int64_t D = p->D, part = fo_attn_cpu_rows(p) * D;
+  int64_t b, h, i;
+  row_place(p, row, &b, &h, &i);
   const float *src = p->workspace + row * D;
   for (int64_t d = 0; d < D; ++d) acc[d] = src[d];
   for (int64_t s = 1; s < p->splits; ++s)
@@ -772,7 +928,7 @@ static void bwd_dq_row(const fo_attn_params *p, int64_t row, float *acc) {
 }
 
 const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
-  const int64_t D = p->D, Dp = round_up(D, 16), rows = p->B * p->Hq * p->Sq;
+  const int64_t D = p->D, Dp = round_up(D, 16), rows = fo_attn_cpu_rows(p);
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
 #if FO_LEVEL >= 4
@@ -798,13 +954,14 @@ const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t split = task % p->splits, bh = task / p->splits;
+        const seq_t s = seq_of(p, bh / p->Hkv);
 #if FO_LEVEL >= 4
         if (bf16_dot) {
-          bwd_task_bf16(p, bh / p->Hkv, bh % p->Hkv, split, delta, &wb);
+          bwd_task_bf16(p, &s, bh % p->Hkv, split, delta, &wb);
           continue;
         }
 #endif
-        bwd_task(p, bh / p->Hkv, bh % p->Hkv, split, delta, &w);
+        bwd_task(p, &s, bh % p->Hkv, split, delta, &w);
       }
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, tmp);

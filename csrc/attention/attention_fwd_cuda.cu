@@ -13,7 +13,9 @@
 // sum and the output stay in fp32 registers; P is rounded to the input dtype
 // and fed to the next mma straight from the accumulator layout. Shared rows
 // are 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix).
-// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, causal (top-left) or not, any Sq / Sk
+// Head dims 32, 64, 96, 128 and 256, bf16 and fp16, any window (causal
+// included: key tiles outside a block's band are skipped), soft-capping,
+// padded or varlen sequences, any Sq / Sk
 // (zero-filled tail tiles, masked), grouped-query (kv head = h / (Hq / Hkv)),
 // any 64-bit strides that are multiples of 8 elements on a 16-byte aligned
 // base (the shim copies other inputs).
@@ -45,7 +47,7 @@ template <int D>
 constexpr int kBlockN = D <= 96 ? 64 : D <= 128 ? 32 : 64;
 
 // ---------------------------------------------------------------- the kernel
-template <int D, bool kCausal, class T>
+template <int D, bool kBanded, class T>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params p) {
   // Q fragments stay in registers at D = 64; at D = 128 they would push the
   // 32 x 128 output accumulators past 255 registers (at D = 256 the 16 x 256
@@ -58,15 +60,20 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   T *sV = sK + kBlockN<D> * D;
 
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;  // g: mma fragment row group
-  const FwdBlock<T, BM, kBlockN<D>, kCausal> blk(p);
+  const FwdBlock<T, BM, kBlockN<D>, kBanded> blk(p);
+  if (blk.q_rows <= 0) return;  // past its sequence (varlen)
+  constexpr int N = kBlockN<D>;
+  // Soft-capped scores arrive scaled (softcap_scores).
+  const float scale2 = p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  const T *k = blk.k, *v = blk.v;
   const int64_t i0 = blk.i0;
-  const T *q = blk.q, *k = blk.k, *v = blk.v;
-  const int q_rows = blk.q_rows, n_tiles = blk.n_tiles;
-  const float scale2 = p.scale * kLog2e;
+  const int n_tiles = blk.n_tiles;
+  auto tile0 = [&](int j) { return static_cast<int64_t>(blk.j_first + j) * N; };
+  auto rows_of = [&](int j) { return blk.k_rem - j * N < N ? blk.k_rem - j * N : N; };  // keys of tile j
 
-  load_tile<D, kThreads>(sQ, q, p.q_st.seq, BM, q_rows);
+  load_tile<D, kThreads>(sQ, blk.q, p.q_st.seq, BM, blk.q_rows);
   cp_async_commit();
-  if (n_tiles > 0) load_tile<D, kThreads>(sK, k, p.k_st.seq, kBlockN<D>, static_cast<int>(imin(kBlockN<D>, p.Sk)));
+  if (n_tiles > 0) load_tile<D, kThreads>(sK, k + tile0(0) * p.k_st.seq, p.k_st.seq, N, rows_of(0));
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -94,24 +101,25 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     }
 
   for (int j = 0; j < n_tiles; ++j) {
-    const int64_t j0 = static_cast<int64_t>(j) * kBlockN<D>;
-    const int k_rows = static_cast<int>(imin(kBlockN<D>, p.Sk - j0));
-    load_tile<D, kThreads>(sV, v + j0 * p.v_st.seq, p.v_st.seq, kBlockN<D>, k_rows);
+    const int64_t j0 = tile0(j);
+    const int k_rows = rows_of(j), off = static_cast<int>(j0 - i0);
+    load_tile<D, kThreads>(sV, v + j0 * p.v_st.seq, p.v_st.seq, N, k_rows);
     cp_async_commit();
     cp_async_wait<1>();  // K_j has landed (V_j may still be in flight)
     __syncthreads();
 
-    float s[MT][kBlockN<D> / 8][4];  // S = Q K_j^T
+    float s[MT][N / 8][4];  // S = Q K_j^T
     zero(s);
     if constexpr (kQRegs)
-      gemm_abt_reg<D, kBlockN<D>>(s, qf, sK);
+      gemm_abt_reg<D, N>(s, qf, sK);
     else
-      gemm_abt<D, kBlockN<D>>(s, sQ, warp * 16 * MT, sK);
+      gemm_abt<D, N>(s, sQ, warp * 16 * MT, sK);
     __syncthreads();  // every warp is done with sK
-    if (j + 1 < n_tiles)
-      load_tile<D, kThreads>(sK, k + (j0 + kBlockN<D>) * p.k_st.seq, p.k_st.seq, kBlockN<D>,
-                             static_cast<int>(imin(kBlockN<D>, p.Sk - j0 - kBlockN<D>)));
+    if (j + 1 < n_tiles) load_tile<D, kThreads>(sK, k + (j0 + N) * p.k_st.seq, p.k_st.seq, N, rows_of(j + 1));
     cp_async_commit();
+    if (p.softcap > 0.f)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) softcap_scores(s[mt], p.scale, p.softcap);
 
     // Online softmax over this tile, the mask compiled only into the branch
     // for the tiles that need it (softmax_tile).
@@ -119,19 +127,19 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float alpha[2];
-        softmax_tile_as<kBlockN<D>, kCausal, false, decltype(masked)::value>(
-            s[mt], m[mt], l[mt], alpha, row_l[mt], k_rows, static_cast<int>(j0 - i0), scale2);
+        softmax_tile_as<N, kBanded, false, decltype(masked)::value>(s[mt], m[mt], l[mt], alpha, row_l[mt], k_rows,
+                                                                     off, blk.dlo, blk.dhi, scale2);
         scale_rows(o[mt], alpha);
       }
     };
-    if (k_rows < kBlockN<D> || (kCausal && j0 + kBlockN<D> - 1 > i0))
+    if (blk.edge(off, blk.k_rem - j * N, 0, BM))
       softmax(std::true_type{});
     else
       softmax(std::false_type{});
 
     cp_async_wait<1>();  // V_j has landed (K_{j+1} may still be in flight)
     __syncthreads();
-    gemm_pb<D, kBlockN<D>>(o, s, sV);  // O += P V_j, P straight from the S accumulators
+    gemm_pb<D, N>(o, s, sV);  // O += P V_j, P straight from the S accumulators
     __syncthreads();  // every warp is done with sV before the next tile's load
   }
 
@@ -141,10 +149,10 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[mt][r], o[mt], r, m[mt][r], l[mt][r]);
 }
 
-template <int D, bool kCausal, class T>
+template <int D, bool kBanded, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   constexpr size_t smem = (kBlockM<D> + 2 * kBlockN<D>) * D * sizeof(T);
-  auto kernel = attn_fwd_kernel<D, kCausal, T>;
+  auto kernel = attn_fwd_kernel<D, kBanded, T>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
           cudaSuccess)

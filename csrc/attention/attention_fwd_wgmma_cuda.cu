@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
     const int64_t j0 = static_cast<int64_t>(j) * N;
     const int k_rows = rows_of(j);
     const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + wg * 64);
-    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
+    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), blk.dlo,
+                                   blk.dhi, scale2);
   };
 
   float o[D / 8][4];  // this warpgroup's 64 x D output, mma C layout per warp
@@ -336,7 +337,8 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
     const int64_t j0 = static_cast<int64_t>(j) * N;
     const int k_rows = static_cast<int>(imin(N, p.Sk - j0));
     const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + cw * 64);
-    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), scale2);
+    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), blk.dlo,
+                                   blk.dhi, scale2);
   };
 
   float o[D / 8][4];
@@ -434,6 +436,8 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
   return 0;  // no sm_90a code in this build (setup.py defines it with arch 9.0a)
 #endif
   if (p->D != 64 && p->D != 128) return 0;
+  // Windows other than causal, soft-capping and varlen: the mma.sync kernels.
+  if (fo_attn_general(p)) return 0;
   const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
   if (e && e[0] == '0') return 0;
   return fo::compute_capability(fo::current_device()) == 90;  // the sm_90a cubin runs on 9.0 only

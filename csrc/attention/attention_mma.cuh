@@ -252,42 +252,133 @@ __device__ __forceinline__ void store_row(T *dst, const float (&acc)[NT][4], int
 // Shared by the forward kernels (attention_fwd_cuda.cu, mma.sync, and
 // attention_fwd_wgmma_cuda.cu, Hopper).
 
+// The sequence of batch entry b as the kernels see it (attention.h): its
+// lengths, where its rows start in the tensors, and the band of key - query
+// offsets its queries see. Addresses: base + bs * batch stride + (tok0 + row)
+// * seq stride + head * head stride; bs = b in the padded layout and 0 in
+// varlen, where the rows start at the cu_seqlens entries instead.
+struct SeqView {
+  static constexpr int64_t kFar = int64_t(1) << 40;  // an unbounded window side
+  int64_t bs, q_tok, k_tok, sq, sk;
+  int64_t dmin, dmax;  // key j is seen by query i iff dmin <= j - i <= dmax (and 0 <= j < sk)
+  // varlen: p.cu_seqlens_q != nullptr, or a constant false where a kernel's
+  // instance is for the padded layout only (the compiler drops the rest).
+  __device__ __forceinline__ SeqView(const fo_attn_params &p, int64_t b) : SeqView(p, b, p.cu_seqlens_q != nullptr) {}
+  __device__ __forceinline__ SeqView(const fo_attn_params &p, int64_t b, bool varlen) {
+    if (varlen) {
+      bs = 0;
+      q_tok = p.cu_seqlens_q[b];
+      k_tok = p.cu_seqlens_k[b];
+      sq = p.cu_seqlens_q[b + 1] - q_tok;
+      sk = p.cu_seqlens_k[b + 1] - k_tok;
+    } else {
+      bs = b;
+      q_tok = k_tok = 0;
+      sq = p.Sq;
+      sk = p.Sk;
+    }
+    const int64_t diag = varlen ? sk - sq : 0;
+    dmin = p.window_left >= 0 ? diag - p.window_left : -kFar;
+    dmax = p.window_right >= 0 ? diag + p.window_right : kFar;
+  }
+  // The keys [lo, hi) some query of rows [r0, r1) sees (lo >= hi: none).
+  __device__ __forceinline__ int64_t keys_lo(int64_t r0) const { return r0 + dmin > 0 ? r0 + dmin : 0; }
+  __device__ __forceinline__ int64_t keys_hi(int64_t r1) const { return imin(sk, r1 + dmax); }
+  // The queries [lo, hi) that see some key of [j0, j1).
+  __device__ __forceinline__ int64_t rows_lo(int64_t j0) const { return j0 - dmax > 0 ? j0 - dmax : 0; }
+  __device__ __forceinline__ int64_t rows_hi(int64_t j1) const { return imin(sq, j1 - dmin); }
+  // Whether every query of [r0, r1) sees every key of [j0, j1) that exists.
+  __device__ __forceinline__ bool inside(int64_t r0, int64_t r1, int64_t j0, int64_t j1) const {
+    return j1 - 1 - r0 <= dmax && j0 - (r1 - 1) >= dmin;
+  }
+  // The band as the element masks test it: kl + off - row against
+  // [dlo, dhi], clamped into int (a sequence is shorter than 2^30).
+  __device__ __forceinline__ int dlo() const { return static_cast<int>(dmin < -(1 << 30) ? -(1 << 30) : dmin); }
+  __device__ __forceinline__ int dhi() const { return static_cast<int>(dmax > (1 << 30) ? (1 << 30) : dmax); }
+};
+
 // Block (blockIdx.x, blockIdx.y) of a forward grid: kBlockM query rows from
-// i0 of (batch b, q head h), walking n_tiles key tiles of kBlockN. Causal:
-// the last query tiles see the most keys; launching them first leaves light
-// blocks, not heavy ones, for the tail of the grid.
-template <class T, int kBlockM, int kBlockN, bool kCausal>
+// i0 of (batch b, q head h), walking n_tiles key tiles of kBlockN from key
+// j_first * kBlockN (kBanded: only the tiles the rows' band reaches; else
+// all of them). q_rows <= 0: the block is past its sequence (varlen) and has
+// nothing to do. Banded: the last query tiles see the most keys (causal);
+// launching them first leaves light blocks, not heavy ones, for the tail.
+template <class T, int kBlockM, int kBlockN, bool kBanded>
 struct FwdBlock {
   int64_t i0, b, h;
   const T *q, *k, *v;  // q at row i0; k, v at key 0 of kv head h / (Hq / Hkv)
-  int q_rows, n_tiles;
+  T *out;              // out at row i0
+  float *lse;          // lse at row i0
+  int q_rows, n_tiles, j_first;
+  int k_rem;           // keys from the first tile's start to the sequence's end
+  int dlo, dhi;        // the band (SeqView::dlo, dhi)
   __device__ __forceinline__ explicit FwdBlock(const fo_attn_params &p) {
-    i0 = static_cast<int64_t>(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
+    i0 = static_cast<int64_t>(kBanded ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
     const int64_t bh = blockIdx.y, hk = bh % p.Hq / (p.Hq / p.Hkv);
     b = bh / p.Hq;
     h = bh % p.Hq;
-    q = static_cast<const T *>(p.q) + b * p.q_st.batch + h * p.q_st.head + i0 * p.q_st.seq;
-    k = static_cast<const T *>(p.k) + b * p.k_st.batch + hk * p.k_st.head;
-    v = static_cast<const T *>(p.v) + b * p.v_st.batch + hk * p.v_st.head;
-    q_rows = static_cast<int>(imin(kBlockM, p.Sq - i0));
-    const int64_t kend = kCausal ? imin(p.Sk, i0 + q_rows) : p.Sk;
-    n_tiles = static_cast<int>((kend + kBlockN - 1) / kBlockN);
+    const SeqView seq(p, b);
+    q = static_cast<const T *>(p.q) + seq.bs * p.q_st.batch + h * p.q_st.head + (seq.q_tok + i0) * p.q_st.seq;
+    k = static_cast<const T *>(p.k) + seq.bs * p.k_st.batch + hk * p.k_st.head + seq.k_tok * p.k_st.seq;
+    v = static_cast<const T *>(p.v) + seq.bs * p.v_st.batch + hk * p.v_st.head + seq.k_tok * p.v_st.seq;
+    out = static_cast<T *>(p.out) + seq.bs * p.out_st.batch + h * p.out_st.head + (seq.q_tok + i0) * p.out_st.seq;
+    lse = p.lse + seq.bs * p.lse_st.batch + h * p.lse_st.head + (seq.q_tok + i0) * p.lse_st.seq;
+    q_rows = static_cast<int>(imin(kBlockM, seq.sq - i0));
+    const int64_t lo = kBanded ? seq.keys_lo(i0) : 0, hi = kBanded ? seq.keys_hi(i0 + q_rows) : seq.sk;
+    j_first = static_cast<int>(lo / kBlockN);
+    n_tiles = q_rows > 0 && hi > lo ? static_cast<int>((hi + kBlockN - 1) / kBlockN) - j_first : 0;
+    k_rem = static_cast<int>(seq.sk - static_cast<int64_t>(j_first) * kBlockN);
+    dlo = seq.dlo();
+    dhi = seq.dhi();
+  }
+  // Whether a key tile needs the element mask for the block-local rows [r0,
+  // r1): keys past the sequence (rem: keys from the tile's start to its
+  // end), or (banded) a key - query offset outside the band (off = j0 - i0).
+  __device__ __forceinline__ bool edge(int off, int rem, int r0, int r1) const {
+    return rem < kBlockN || (kBanded && (off + kBlockN - 1 - r0 > dhi || off - (r1 - 1) < dlo));
   }
 };
 
+// Scores s (a warp's accumulators) to softcap tanh(s scale / softcap), in
+// place: the caller then takes them as already scaled. tanh(x) = 1 - 2 /
+// (e^2x + 1), from ex2.approx: accurate to a few ulp where the logits matter
+// (tanh.approx's 2^-11 would move a capped logit of 50 by 0.02).
+template <int NT, int MR>
+__device__ __forceinline__ void softcap_scores(float (&s)[NT][MR], float scale, float softcap) {
+  const float k = 2.f * kLog2e * scale / softcap;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < MR; ++e) {
+      const float x = s[t][e] * k;  // (a NaN stays NaN)
+      const float z = exp2_approx(x > 126.f ? 126.f : x);
+      s[t][e] = softcap * (1.f - __fdividef(2.f, z + 1.f));
+    }
+}
+
+// The backward's factor d(capped score) / d(scaled score) = 1 - t^2, t =
+// tanh, from the probability pe = exp2(capped log2 e - lse2) of the score
+// (the capped score itself is not kept: registers); 0 where pe = 0, whose
+// gradient is 0 anyway.
+__device__ __forceinline__ float softcap_grad(float pe, float lse2, float softcap) {
+  const float t = (__log2f(pe) + lse2) * (kLn2 / softcap);
+  return pe > 0.f ? 1.f - t * t : 0.f;
+}
+
 // Online softmax over one key tile (keys j0.., k_rows of them valid) of a
 // warp's 16-row S accumulators, rows g and g + 8 (block-local row_l): mask
-// (keys past Sk; causal: key > row, i.e. kl + off > row_l, off = j0 - i0)
+// (keys past the sequence; banded: key - row outside [dlo, dhi], key - row
+// = kl + off - row_l, off = j0 - i0)
 // where edge says the tile needs it, new running max m (log2 units),
 // p = exp2(s scale2 - m) in place, running sums l (this thread's share).
 // alpha: the factor each row's output accumulators are to be multiplied by.
 // kFoldScale (scale2 > 0 only): the max is taken on the raw scores and the
 // scale goes into exp2's argument, one FFMA an element instead of a multiply
 // and a subtraction. kEdge: the mask is compiled in (softmax_tile below picks).
-template <int N, bool kCausal, bool kFoldScale, bool kEdge>
+template <int N, bool kBanded, bool kFoldScale, bool kEdge>
 __device__ __forceinline__ void softmax_tile_as(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
                                                 float (&alpha)[2], const int (&row_l)[2], int k_rows,
-                                                int off, float scale2) {
+                                                int off, int dlo, int dhi, float scale2) {
   const int tig = threadIdx.x % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -299,7 +390,8 @@ __device__ __forceinline__ void softmax_tile_as(float (&s)[N / 8][4], float (&m)
         float x = kFoldScale ? s[t][2 * r + e] : s[t][2 * r + e] * scale2;
         if constexpr (kEdge) {
           const int kl = t * 8 + tig * 2 + e;
-          if (kl >= k_rows || (kCausal && kl + off > row_l[r])) x = -INFINITY;
+          const int d = kl + off - row_l[r];
+          if (kl >= k_rows || (kBanded && (d > dhi || d < dlo))) x = -INFINITY;
         }
         s[t][2 * r + e] = x;
         mx = fmaxf(mx, x);
@@ -328,14 +420,14 @@ __device__ __forceinline__ void softmax_tile_as(float (&s)[N / 8][4], float (&m)
 // it (edge: warp-uniform). A runtime test inside the element loop was
 // if-converted by nvcc: every tile computed the mask's predicates (the causal
 // wgmma forward's loop at D = 64: 615 instructions against 485 without causal).
-template <int N, bool kCausal, bool kFoldScale>
+template <int N, bool kBanded, bool kFoldScale>
 __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const int (&row_l)[2], bool edge,
-                                             int k_rows, int off, float scale2) {
+                                             int k_rows, int off, int dlo, int dhi, float scale2) {
   if (edge)
-    softmax_tile_as<N, kCausal, kFoldScale, true>(s, m, l, alpha, row_l, k_rows, off, scale2);
+    softmax_tile_as<N, kBanded, kFoldScale, true>(s, m, l, alpha, row_l, k_rows, off, dlo, dhi, scale2);
   else
-    softmax_tile_as<N, kCausal, kFoldScale, false>(s, m, l, alpha, row_l, k_rows, off, scale2);
+    softmax_tile_as<N, kBanded, kFoldScale, false>(s, m, l, alpha, row_l, k_rows, off, dlo, dhi, scale2);
 }
 
 // Rows g and g + 8 of a warp's 16-row accumulator tile times alpha[0], alpha[1].
@@ -352,7 +444,7 @@ __device__ __forceinline__ void scale_rows(float (&acc)[NT][4], const float (&al
 
 // Row r (0: g, 1: g + 8) of a warp's 16 x D output tile o, block-local row
 // row_l: out = o / l, lse = (m + log2 l) ln 2, l summed here over the row's
-// four threads (every lane must call). Rows past Sq are not stored. l = 0:
+// four threads (every lane must call). Rows past the sequence are not stored. l = 0:
 // no key seen (out 0, lse -inf); a NaN l stays NaN in out and lse, as in
 // eager softmax (attention_cpu.c).
 template <int D, class T, class Block>
@@ -360,25 +452,24 @@ __device__ __forceinline__ void store_out_row(const fo_attn_params &p, const Blo
                                               const float (&o)[D / 8][4], int r, float m, float l) {
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  const int64_t row = blk.i0 + row_l;
-  if (row >= p.Sq) return;
+  if (row_l >= blk.q_rows) return;
   const float inv = l != 0.f ? 1.f / l : 0.f;
-  T *out = static_cast<T *>(p.out) + blk.b * p.out_st.batch + blk.h * p.out_st.head + row * p.out_st.seq;
-  store_row(out, o, r, inv);
+  store_row(blk.out + row_l * p.out_st.seq, o, r, inv);
   if (threadIdx.x % 4 == 0)
-    p.lse[blk.b * p.lse_st.batch + blk.h * p.lse_st.head + row * p.lse_st.seq] =
+    blk.lse[row_l * p.lse_st.seq] =
         l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host dispatch
 
-// Calls f(std::integral_constant<int, D>{}, std::bool_constant<causal>{}, (T *)nullptr)
-// for p's head dim, causal flag and dtype, the combinations the kernels are
-// built for; an error message for any other.
+// Calls f(std::integral_constant<int, D>{}, std::bool_constant<banded>{}, (T *)nullptr)
+// for p's head dim, whether a window side is bounded (fo_attn_banded: causal
+// included) and dtype, the combinations the kernels are built for; an error
+// message for any other.
 template <class F>
 const char *dispatch(const fo_attn_params &p, F &&f) {
   auto causal = [&](auto d, auto t) -> const char * {
-    return p.causal ? f(d, std::true_type{}, t) : f(d, std::false_type{}, t);
+    return fo_attn_banded(&p) ? f(d, std::true_type{}, t) : f(d, std::false_type{}, t);
   };
   auto dim = [&](auto t) -> const char * {
     switch (p.D) {
