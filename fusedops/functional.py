@@ -605,7 +605,7 @@ class _QKVAttention(torch.autograd.Function):
     gradient for each of them in the backward."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, hq, hkv, scale, causal, cache):
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, hq, hkv, scale, causal, cache, window, softcap):
         orig = (x, wq, wk, wv, bq, bk, bv)
         dev = x.device.type
         given_packed = wk is None  # wq is [Wq; Wk; Wv] and bq [bq; bk; bv] (one qkv projection)
@@ -625,9 +625,10 @@ class _QKVAttention(torch.autograd.Function):
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
             _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
             det = torch.are_deterministic_algorithms_enabled()
-            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det)
+            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det, *window, softcap)
         ctx.save_for_backward(x, qkv, w, out, lse, cos, sin)
         ctx.heads, ctx.scale, ctx.causal, ctx.det = (hq, hkv), scale, causal, det
+        ctx.mask = (*window, softcap)
         ctx.given_packed = given_packed
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
         out = out.view(bsz, seq, hq * out.shape[-1])
@@ -647,7 +648,7 @@ class _QKVAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v = qkv.split([hq, hkv, hkv], dim=2)
         dqkv = _ops.attn_bwd_packed(dout.to(out.dtype).reshape(out.shape), q, k, v, out, lse, ctx.scale,
-                                    ctx.causal, ctx.det)
+                                    ctx.causal, ctx.det, *ctx.mask)
         dq, dk, _ = dqkv.split([hq, hkv, hkv], dim=2)
         _ops.rope_(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
         g = dqkv.view(-1, w.shape[0])
@@ -663,18 +664,19 @@ class _QKVAttention(torch.autograd.Function):
         grads = [dx, *(d if n else None for d, n in zip(dws, need[1:4])),
                  *(d if n else None for d, n in zip(dbs, need[4:7]))]
         return (*(gr if gr is None or gr.dtype == t else gr.to(t) for gr, t in zip(grads, ctx.dtypes)),
-                *(None,) * 7)
+                *(None,) * 9)
 
 
 def _qkv_fused(x, wq, wk, wv, cos, sin, num_heads, num_kv_heads, bq=None, bk=None, bv=None, scale=None,
-               causal=True, return_kv=False):
+               causal=True, return_kv=False, window_size=(-1, -1), softcap=0.0):
     """qkv_attention on the kernels, for a call _qkv_gap has cleared (with wq,
     wk, wv; here wk and wv None and wq, bq packed as [Wq; Wk; Wv], [bq; bk; bv]
-    is the same call)."""
+    is the same call). window_size and softcap as for flash_attention (the
+    Hugging Face forwards' sliding windows and Gemma 2's soft-capping)."""
     heads = num_heads + (2 * num_kv_heads if wk is None else 0)
     scale = (wq.shape[0] // heads) ** -0.5 if scale is None else float(scale)
     res = _QKVAttention.apply(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads, scale,
-                              bool(causal), bool(return_kv))
+                              bool(causal), bool(return_kv), _window(window_size), float(softcap))
     if not return_kv:
         return res
     # Detached again: torch 2.11's AOTAutograd loses mark_non_differentiable on

@@ -59,8 +59,8 @@ class Family:
     hands the attention function besides those all families hand it (Gemma 2:
     softcap, its attn_logit_softcapping; Gemma 3's attention has the attribute
     but hands nothing on). qk_norm_late: the attention calls q_norm and k_norm
-    after all three projections (Gemma 3), not each after its own (Qwen3);
-    hooks see the order."""
+    after all three projections, on (B, H, S, D) heads (Gemma 3), not each
+    after its own, on (B, S, H, D) (Qwen3); hooks see the difference."""
     prefix: str
     norm_offset: float = 0.0
     attention_args: tuple = ()
@@ -118,35 +118,115 @@ def _softcapped_attention(query, key, value, mask, scale, softcap, dropout):
     return p @ value
 
 
+def _packed_sequences(attention_mask, kwargs, query, key, window):
+    """(cu_seqlens, max_seqlen) of documents packed along each row, for the
+    varlen kernel, or None. From cu_seq_lens_q (DataCollatorWithFlattening's
+    flash-attention arguments, trusted where no mask came, as transformers'
+    FlashAttention trusts them), or from position_ids restarting per document
+    (the same collator without them). A mask transformers made is used only
+    once checked to be exactly causal attention within the documents (and the
+    sliding window): anything else it holds keeps it. The check (one per mask
+    tensor, kept on it) reads values: not while torch.compile traces."""
+    b, _, s, _ = query.shape
+    if key.shape[2] != s or s < 2 or torch.compiler.is_compiling():
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
+    if cu is None and (attention_mask is None or pos is None):
+        return None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+            return None
+        memo = getattr(attention_mask, "_fusedops_packed", None)
+        if memo is not None and memo[0] == (attention_mask._version, window):
+            return memo[1]
+    if cu is not None:
+        if (kwargs.get("cu_seq_lens_k") is not None and not torch.equal(kwargs["cu_seq_lens_k"], cu)) or (
+                int(cu[-1]) != b * s):
+            return None
+        starts = torch.zeros(b * s, dtype=torch.bool, device=query.device)
+        starts[cu[:-1].long()] = True
+    else:
+        pos = pos.expand(b, -1) if pos.shape[0] != b else pos
+        if tuple(pos.shape) != (b, s):
+            return None
+        new = torch.ones(b, s, dtype=torch.bool, device=query.device)
+        new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = new.reshape(-1)
+    starts[::s] = True  # (no document spans two rows)
+    result = None
+    if attention_mask is None or _packed_mask_is(attention_mask, starts.view(b, s), window):
+        cu = torch.cat([starts.nonzero().view(-1), torch.tensor([b * s], device=query.device)])
+        result = cu.to(torch.int32), int(cu.diff().max())
+    if attention_mask is not None:
+        attention_mask._fusedops_packed = ((attention_mask._version, window), result)
+    return result
+
+
+def _packed_mask_is(mask, starts, window):
+    """Whether mask (B or 1, 1, S, S) is causal attention within the documents
+    that `starts` (B, S) opens, and within the window (None: none)."""
+    doc = starts.cumsum(-1)
+    s = starts.shape[1]
+    d = torch.arange(s, device=mask.device)
+    d = d[:, None] - d
+    want = (doc[:, :, None] == doc[:, None, :]) & (d >= 0)
+    if window is not None:
+        want &= d < window
+    return torch.equal(mask, want[:, None].expand_as(mask)) if mask.shape[0] in (1, starts.shape[0]) and \
+        mask.shape[1:] == (1, s, s) and (mask.shape[0] == starts.shape[0] or not starts.any(0)[1:].any()) else False
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, softcap=None, sliding_window=None, **kwargs):
     """transformers' attention interface (as its sdpa_attention_forward):
     query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) -> ((B, Sq, Hq, D), None).
 
-    Masks are made by causal_mask (registered below), as for "sdpa" but also
-    under torch.compile and for a sliding window: None where the causal flag
-    and the window (sliding_window, which the families' attention modules
-    hand on as for FlashAttention) say it all, which is the case fusedops'
-    kernels take; a padding mask, dropout or what the kernels lack goes to
-    torch's SDPA (a warning the first time, from fusedops.functional).
-    softcap (Gemma 2's attn_logit_softcapping) runs the soft-capped math.
-    Features of transformers' own function that this one has no equivalent
-    for (position_bias, a paged cache, output_attentions) go to it whole."""
+    Runs fusedops' kernels: flash_attention where the causal flag and the
+    sliding window (sliding_window, which the families' attention modules
+    hand on as for FlashAttention: transformers' q - k < W is the window
+    (W - 1, 0)) say it all, with softcap (Gemma 2's attn_logit_softcapping);
+    flash_attention_varlen for packed sequences (_packed_sequences). Masks are
+    made by causal_mask (registered below), as for "sdpa" but None under
+    torch.compile and for sliding windows too. A padding mask, dropout or what
+    the kernels lack goes to torch's SDPA (a warning the first time, from
+    fusedops.functional), or with softcap to the soft-capped math. Features of
+    transformers' own function that this one has no equivalent for
+    (position_bias, a paged cache, output_attentions) go to it whole."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     # As transformers' sdpa: one query token attends to every key (decoding).
     causal = query.shape[2] > 1 and attention_mask is None and causal
     q_len, kv_len = query.shape[2], key.shape[2]
-    if causal and _restricting_window(sliding_window, kv_len):  # left to us by causal_mask
-        attention_mask, causal = _window_mask(q_len, kv_len, sliding_window, query.device), False
+    window = sliding_window if causal and _restricting_window(sliding_window, kv_len) else None
     extra = _unsupported(kwargs)
     if extra:
         if tuple(extra) not in _warned and not torch.compiler.is_compiling():
             _warned.add(tuple(extra))
             warnings.warn(f"fusedops attention: {', '.join(extra)} not supported; calling "
                           "transformers' sdpa_attention_forward", stacklevel=2)
+        if window:
+            attention_mask, causal = _window_mask(q_len, kv_len, window, query.device), False
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=causal, softcap=softcap, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v = F._lower_precision(query, key, value)
+    if not dropout and min(q.numel(), k.numel()) and F._sdpa_gap(q, k, v, None, 0.0, True) is None:
+        bshd = [t.transpose(1, 2) for t in (q, k, v)]
+        packed_window = sliding_window if _restricting_window(sliding_window, kv_len) else None
+        packed = _packed_sequences(attention_mask, kwargs, q, k, packed_window)
+        if packed is not None:
+            cu, longest = packed
+            b, s = q.shape[0], q_len
+            out = F.flash_attention_varlen(*(t.reshape(b * s, *t.shape[2:]) for t in bshd), cu, cu, longest, longest,
+                                           causal=True, scale=scale, softcap=softcap or 0.0,
+                                           window_size=(-1, -1) if packed_window is None else (packed_window - 1, 0))
+            return out.view(b, s, *out.shape[1:]), None
+        if attention_mask is None:
+            out = F.flash_attention(*bshd, causal=causal, scale=scale, softcap=softcap or 0.0,
+                                    window_size=(-1, -1) if window is None else (window - 1, 0))
+            return out, None
+    if window:
+        attention_mask, causal = _window_mask(q_len, kv_len, window, query.device), False
     if softcap:
         if causal:
             attention_mask = _window_mask(q_len, kv_len, kv_len, query.device)
@@ -567,23 +647,25 @@ def _restricting_window(window, kv_len):
 
 
 def _qkv_heads(self, x):
-    """q, k, v of x as (B, S, H, D) heads, q and k normed where the module has
+    """q, k, v of x as (B, H, S, D) heads, q and k normed where the module has
     q_norm and k_norm: from q_proj, k_proj and v_proj, or the parts of a
     packed qkv_proj ([q | k | v] along its outputs, Phi-3). The modules are
-    called in the family's order (hooks see it): each norm right after its
-    projection (Qwen3), or after all three projections (Gemma 3)."""
+    called in the family's order, on the family's layout (hooks see both):
+    each norm right after its projection, on (B, S, H, D) (Qwen3), or after
+    all three projections, on (B, H, S, D) (Gemma 3)."""
     heads = (*x.shape[:-1], -1, self.head_dim)
     if self._fusedops_packed_qkv:
         q, k, v = self.qkv_proj(x).split(_packed_rows(self), dim=-1)
-        return q.view(heads), k.view(heads), v.view(heads)
-    if not self._fusedops_qk_norm:
-        return self.q_proj(x).view(heads), self.k_proj(x).view(heads), self.v_proj(x).view(heads)
-    if self._fusedops_qk_norm_late:
-        q, k, v = self.q_proj(x).view(heads), self.k_proj(x).view(heads), self.v_proj(x).view(heads)
-        return self.q_norm(q), self.k_norm(k), v
-    q = self.q_norm(self.q_proj(x).view(heads))
-    k = self.k_norm(self.k_proj(x).view(heads))
-    return q, k, self.v_proj(x).view(heads)
+    elif self._fusedops_qk_norm and not self._fusedops_qk_norm_late:
+        q = self.q_norm(self.q_proj(x).view(heads))
+        k = self.k_norm(self.k_proj(x).view(heads))
+        v = self.v_proj(x)
+    else:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+    if self._fusedops_qk_norm and self._fusedops_qk_norm_late:
+        q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
 
 
 def _packed_rows(self):
@@ -616,8 +698,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     Gemma 2's softcap. Or, where it computes the same, one call to
     fusedops.functional.qkv_attention: the q, k, v projections as one matmul,
     RoPE in place, our attention kernels, a backward that sums nothing. That
-    is when attention is fusedops' and causal without a mask, a sliding
-    window that hides nothing, soft-capping or dropout, with no q / k norms,
+    is when attention is fusedops' and causal without a mask (a sliding
+    window and soft-capping go to the kernel), no dropout, no q / k norms,
     the cache (if any) has no tokens of this layer yet (training, or a
     prompt's first forward) and the projections are plain torch.nn.Linear
     with no hook. transformers' cache then receives K and V outside autograd
@@ -633,7 +715,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
             and position_embeddings is not None and not (self.training and self.attention_dropout)
             and getattr(self, "is_causal", True) and x.dim() == 3 and not self._fusedops_qk_norm
             and not _unsupported(kwargs) and not _packed_kwargs(kwargs)
-            and all(v is None for v in extra.values()) and not _restricting_window(window, x.shape[1])
+            and all(v is None for k, v in extra.items() if k != "softcap")
             and all(plain_linear(getattr(self, p)) for p in projections)
             and _cache_empty(cache, self.layer_idx))
     if fast:
@@ -651,7 +733,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         if F._qkv_gap(x, *ws, *bs, cos, sin, hq, hkv) is None:
             (wq, wk, wv), (bq, bk, bv) = joint
             res = F._qkv_fused(x, wq, wk, wv, cos, sin, hq, hkv, bq, bk, bv,
-                               scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache is not None)
+                               scale=self.scaling, causal=x.shape[1] > 1, return_kv=cache is not None,
+                               softcap=extra.get("softcap") or 0.0,
+                               window_size=(window - 1, 0) if _restricting_window(window, x.shape[1]) else (-1, -1))
             if cache is not None:
                 res, kc, vc = res
                 _cache_put(cache, self.layer_idx, kc, vc, kwargs)
@@ -659,7 +743,6 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
     input_shape = x.shape[:-1]
     q, k, v = _qkv_heads(self, x)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = position_embeddings
     q, k = _rope(q, k, cos, sin)
     if cache is not None:

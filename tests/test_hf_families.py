@@ -145,23 +145,83 @@ def test_features_matter(case, feature):
     assert (a - b).abs().max() > 5 * 1e-2 * max(1.0, a.abs().max().item())
 
 
-def test_window_kernel_routing(monkeypatch):
-    """A causal sliding window that hides keys reaches fusedops' attention as
-    the window (no mask from transformers), and a window the keys do not
-    reach past is no window at all: the joint q / k / v path."""
-    from fusedops import functional as F, hf
-    seen = []
-    orig = hf._window_mask
-    monkeypatch.setattr(hf, "_window_mask", lambda q, kv, w, dev: seen.append((q, kv, w)) or orig(q, kv, w, dev))
+def _no_fallback(monkeypatch):
+    """Make every fallback of fusedops' attention raise: torch's SDPA, the
+    dense window mask, the soft-capped math."""
+    from fusedops import hf
+
+    def fail(what):
+        def f(*a, **kw):
+            raise AssertionError(f"attention fell back to {what}")
+        return f
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fail("torch's SDPA"))
+    monkeypatch.setattr(hf, "_window_mask", fail("a dense window mask"))
+    monkeypatch.setattr(hf, "_softcapped_attention", fail("the soft-capped math"))
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_no_fallback(case, monkeypatch):
+    """Sliding windows shorter than the sequence, soft-capping, local and
+    global layers: all on fusedops' kernels (the joint q / k / v path or
+    flash_attention), none falls back."""
+    m = fusedops.patch(_model(case))
+    ids = torch.randint(0, 96, (2, 19))
+    _no_fallback(monkeypatch)
+    _run(m, ids)
+
+
+def _packed_batch(lengths, vocab=96, seed=0):
+    """Documents of `lengths` packed into one row, as DataCollatorWithFlattening
+    makes them: ids, position_ids restarting per document, and its flash
+    attention arguments."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    return ids, pos, flash
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("case", ["Gemma2", "Phi3", "Mistral-window"])
+def test_packed_sequences_run_varlen(case, flash_kwargs, monkeypatch):
+    """Packed documents (position_ids restarting; with and without the
+    collator's cu_seq_lens / max_length arguments) run the varlen kernel, with
+    the logits and gradients of the unpatched model on the same batch (2x rule
+    against float64), and none falls back."""
+    from fusedops import functional as F
+    lengths = [7, 1, 12, 4]
+    ids, pos, flash = _packed_batch(lengths)
+    kw = dict(position_ids=pos, use_cache=False, **(flash if flash_kwargs else {}))
+    m = _model(case)
+    ref64 = copy.deepcopy(m).double()
+    logits0, g0 = _run(m, ids, **kw)
+    logits64, g64 = _run(ref64, ids, **kw)
+    fusedops.patch(m)
     calls = []
-    apply = F._QKVAttention.apply
-    monkeypatch.setattr(F._QKVAttention, "apply", lambda *a: calls.append(1) or apply(*a))
-    m = fusedops.patch(_model("Mistral-window"))
-    _run(m, torch.randint(0, 96, (2, 19)))
-    assert seen == [(19, 19, 5)] * 2 and not calls
-    seen.clear()
-    _run(m, torch.randint(0, 96, (2, 5)))
-    assert not seen and len(calls) == 2
+    varlen = F.flash_attention_varlen
+    monkeypatch.setattr(F, "flash_attention_varlen", lambda *a, **k: calls.append(a[3].tolist()) or varlen(*a, **k))
+    _no_fallback(monkeypatch)
+    logits, g = _run(m, ids, **kw)
+    assert calls == [[0, 7, 8, 20, 24]] * 2
+    assert_close_2x(logits, logits64, logits0, f"{case} packed logits")
+    for n in g0:
+        assert_close_2x(g[n], g64[n], g0[n], f"{case} packed grad {n}")
+
+
+def test_packed_mask_that_holds_more_is_kept():
+    """A mask that is not exactly causal attention within the documents (a
+    padded token besides) is not replaced by the varlen kernel."""
+    from fusedops import hf
+    ids, pos, _ = _packed_batch([5, 6])
+    q = torch.randn(1, 4, 11, 16)
+    starts = torch.zeros(1, 11, dtype=torch.bool)
+    starts[0, [0, 5]] = True
+    doc = starts.cumsum(-1)
+    mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(11, 11, dtype=torch.bool).tril())[:, None]
+    assert hf._packed_sequences(mask.clone(), dict(position_ids=pos), q, q, None)[0].tolist() == [0, 5, 11]
+    mask[..., 3] = False
+    assert hf._packed_sequences(mask, dict(position_ids=pos), q, q, None) is None
 
 
 # --------------------------------------------------------------- training curves
