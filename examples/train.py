@@ -4,6 +4,7 @@ fusedops, from the same initial weights on the same data, and compare.
     python examples/train.py                       # CPU or GPU, whichever there is
     python examples/train.py --steps 500 --out my-run
     python examples/train.py --runs fusedops --compile
+    python examples/train.py --checkpoint          # activation checkpointing per decoder layer
 
 Nothing is downloaded: the model is Hugging Face's LlamaForCausalLM built from
 the small configuration below (pip install fusedops[hf]), and the data are
@@ -17,8 +18,14 @@ The fusedops run is the plain one plus two lines:
     opt = fusedops.optim.FusedAdamW(model.parameters(), ...)
 
 Writes OUT/summary.json (per run: tokens/s, step time, peak GPU memory, final
-loss, the loss curve) and, where matplotlib is installed, OUT/loss.png
-(--plot-from OUT/summary.json draws it later, elsewhere).
+loss -- the mean of the last 10 steps' losses --, the loss curve) and, where
+matplotlib is installed, OUT/loss.png (--plot-from OUT/summary.json draws it
+later, elsewhere).
+
+--checkpoint recomputes each decoder layer's activations in the backward
+instead of keeping them from the forward (torch.utils.checkpoint,
+non-reentrant; the same gradients: tests/test_checkpoint.py): less memory
+for a third more compute in the layers.
 
 On several GPUs (or CPU processes, gloo), under torchrun:
 
@@ -46,6 +53,7 @@ optimizer: FusedAdamW's state is torch's AdamW's.
 """
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -74,6 +82,11 @@ CONFIGS = {
     # so that FSDP2 shards the embeddings unevenly).
     "tiny": dict(vocab_size=67, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, batch=4, seq=32, steps=16, dtype="fp32"),
+    # Issue 56's scaling model: Llama 3.2 3B's shape with untied embeddings
+    # (3.6 B parameters), 4096-token sequences (tools/scale_gpu.py).
+    "3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, batch=2, seq=4096, steps=30,
+               dtype="amp-bf16"),
 }
 # Parameter dtype, and the dtype autocast computes in (None: no autocast).
 # amp-bf16 is the usual mixed-precision recipe: fp32 parameters and optimizer
@@ -91,20 +104,31 @@ def parse_args(argv=None):
                    help="cpu or cuda (under torchrun, each process takes the GPU of its LOCAL_RANK)")
     p.add_argument("--preset", choices=CONFIGS, help="model and data (default: by device)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: by device)")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int,
+                   help="sequences a step, over all processes (the global batch; default: by preset)")
+    p.add_argument("--seq", type=int, help="tokens a sequence (default: by preset)")
     p.add_argument("--dtype", choices=DTYPES,
                    help="fp32, amp-bf16 (fp32 parameters, bf16 autocast) or bf16 parameters "
                         "(default: fp32 on CPU, amp-bf16 on GPU)")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="peak learning rate of AdamW, reached after a linear warm-up over the first 5%% of "
+                        "the steps, then cosine down to a tenth of it (default %(default)s)")
     p.add_argument("--clip", type=float, default=1.0,
                    help="clip the gradients' global norm to this, 0 for off (default %(default)s, the "
                         "usual recipe: without it the bf16 runs on an H100 spiked after the warm-up, "
                         "each at other steps, so that their curves parted by up to 1.9)")
     p.add_argument("--runs", default="pytorch,fusedops", help="which runs, of %(default)s")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in every run")
+    p.add_argument("--torch-fused", action="store_true",
+                   help="the pytorch run's AdamW with fused=True (torch's one-kernel implementation) "
+                        "instead of its default (foreach on a GPU)")
     p.add_argument("--out", default="train-out", help="output folder (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and of the generated data, the same in every run "
+                        "(default %(default)s)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing: recompute each decoder layer in the backward "
+                        "(torch.utils.checkpoint, non-reentrant) instead of keeping its activations")
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="split each process's share of a batch into N micro-batches, their gradients "
                         "accumulated before the step: with N = 2 one process does the arithmetic of DDP "
@@ -162,7 +186,8 @@ def make_model(cfg, device, seed):
                                                 "num_key_value_heads")},
                          max_position_embeddings=cfg["seq"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):  # drawn where it runs: seconds, not minutes, for billions of weights
+        model = LlamaForCausalLM(config)
     # The input embedding at unit scale (Hugging Face draws it at std 0.02, as
     # every weight): at 0.02 the random attention and MLP outputs drown the
     # current token in the residual stream, and a model of 8 layers x 1024 sat
@@ -189,11 +214,13 @@ def train(run, args, data):
     if run == "fusedops":
         fusedops.patch(model)  # before wrapping (DDP, FSDP)
         say(args, model.fusedops_report)
+    if args.checkpoint:
+        checkpoint_layers(model)
     model = wrap(model, args)
     if run == "fusedops":
         opt = fusedops.optim.FusedAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=args.torch_fused or None)
     first = load_checkpoint(model, opt, args.resume, args) if args.resume else 0
     if first >= cfg["steps"]:
         sys.exit(f"--resume {args.resume}: saved after step {first}, nothing left of --steps {cfg['steps']}")
@@ -215,7 +242,8 @@ def train(run, args, data):
         for i, xm in enumerate(x.chunk(args.micro_batches)):  # equal micro-batches: the mean of means
             with grad_sync(model, args, last=i == args.micro_batches - 1):
                 with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                    part = step_fn(input_ids=xm, labels=xm).loss
+                    # (no KV cache: nothing reads it, and a checkpointed layer would fill it twice)
+                    part = step_fn(input_ids=xm, labels=xm, use_cache=False).loss
                 (part / args.micro_batches).backward()
             loss = loss + part.detach() / args.micro_batches
         if args.clip > 0:  # over every process's gradients (DTensor shards under FSDP2)
@@ -285,6 +313,17 @@ def init_dist(args):
     if args.cfg["batch"] % args.world:
         sys.exit(f"--batch {args.cfg['batch']} (the global batch) does not split over {args.world} processes")
     return made
+
+
+def checkpoint_layers(model):
+    """--checkpoint: each decoder layer's forward under torch.utils.checkpoint
+    (non-reentrant), which keeps the layer's inputs only and runs the forward
+    again in the backward. Set on the layer's forward, not around its call, so
+    that FSDP2's hooks stay outside: they gather the layer's parameters for its
+    forward and again before its backward, which the recomputation is part of."""
+    from torch.utils.checkpoint import checkpoint
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def wrap(model, args):
@@ -429,7 +468,9 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": transformers.__version__,
                "fusedops": fusedops.__version__, "config": args.cfg, "compile": args.compile,
                "dist": args.dist, "processes": args.world, "resume": args.resume,
-               "lr": args.lr, "clip": args.clip, "micro_batches": args.micro_batches, "entropy_floor": floor, "runs": results}
+               "lr": args.lr, "clip": args.clip, "micro_batches": args.micro_batches, "checkpoint": args.checkpoint,
+               "torch_fused": args.torch_fused,
+               "entropy_floor": floor, "runs": results}
     if len(results) == 2:
         d = [abs(a - b) for a, b in zip(results[0]["losses"], results[1]["losses"])]
         summary["max_abs_loss_difference"] = max(d)
@@ -438,7 +479,8 @@ def main(argv=None):
     png = plot(results, floor, out / "loss.png")
     for r in results:
         mem = f", peak {r['peak_memory_GiB']:.2f} GiB" if r["peak_memory_GiB"] is not None else ""
-        print(f"{r['run']:9s} final loss {r['final_loss']:.4f}, {r['tokens_per_s'] / 1e3:.1f} k tokens/s, "
+        print(f"{r['run']:9s} final loss {r['final_loss']:.4f} (mean of the last 10 steps), "
+              f"{r['tokens_per_s'] / 1e3:.1f} k tokens/s, "
               f"{r['step_ms']:.1f} ms/step{mem}")
     if len(results) == 2:
         print(f"loss curves differ by at most {summary['max_abs_loss_difference']:.2e}; "

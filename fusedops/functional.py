@@ -6,6 +6,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
 from . import reference
 from .ops._common import once_only
 
@@ -413,10 +415,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     as torch SDPA does; the two agree where sq = sk.) softcap, scale,
     deterministic and autocast as for flash_attention.
 
-    The offsets are checked (int32, 1-D, first 0, non-decreasing, last the
-    number of tokens, no sequence longer than max_seqlen): on a GPU by a copy
-    to the host, which waits for the stream, and not at all while the current
-    stream is capturing a CUDA graph (pass correct offsets there)."""
+    The offsets are checked for dtype (int32), shape and device everywhere,
+    and for their values (first 0, non-decreasing, last the number of tokens,
+    no sequence longer than max_seqlen) on the CPU. On a GPU the values are
+    the caller's to keep, as FlashAttention's: reading them would make the op
+    wait for the stream."""
     q, k, v = _kernel_call("flash_attention_varlen", q, k, v)
     if scale is None:
         scale = _default_scale(q)
@@ -589,6 +592,18 @@ def _qkv_gap(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads):
     return None
 
 
+def _mode_may_hold_outputs():
+    """Whether a Python dispatch mode sees the ops called here, outside
+    torch.compile: such a mode may keep an op's output and hand it back later,
+    as selective activation checkpointing (torch.utils.checkpoint's
+    create_selective_checkpoint_contexts) does with the matmuls it saves,
+    returning them in place of the recomputation. An op that writes in place
+    must then not write into another op's output: the kept one would change
+    with it (a matmul's 2-D output reshaped to 3-D is no view that shares its
+    version counter, so the mode cannot tell)."""
+    return not torch.compiler.is_compiling() and is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 class _QKVAttention(torch.autograd.Function):
     """attention(rope(x Wq^T + bq), rope(x Wk^T + bk), x Wv^T + bv) with the
     three projections as one matmul into a packed [B, S, Hq + 2 Hkv, D]
@@ -622,6 +637,8 @@ class _QKVAttention(torch.autograd.Function):
                 [t if t is not None else wr.new_zeros(wr.shape[0]) for t, wr in ((bq, wq), (bk, wk), (bv, wv))])
             bsz, seq = x.shape[:2]
             qkv = torch.nn.functional.linear(x, w, b).view(bsz, seq, hq + 2 * hkv, w.shape[0] // (hq + 2 * hkv))
+            if _mode_may_hold_outputs():
+                qkv = qkv.clone()  # RoPE below writes qkv: not the matmul's output, which the mode may keep
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
             _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
             det = torch.are_deterministic_algorithms_enabled()

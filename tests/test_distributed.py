@@ -22,6 +22,10 @@ read the summaries it writes:
              DDP / FSDP2 with each process's half in 2 micro-batches
              (gradients reduced with the last only: no_sync,
              set_requires_gradient_sync)
+  single_ckpt, ddp_ckpt, fsdp_ckpt
+             one process, DDP, FSDP2 with activation checkpointing per
+             decoder layer (--checkpoint: torch.utils.checkpoint,
+             non-reentrant, on the patched layers)
 
 Tolerance: the loss curves agree within LOSS_ATOL at every step. The runs
 differ by the order of floating-point sums only (a process's half-batch mean
@@ -29,7 +33,9 @@ and an average of two, sharded gradient reductions, torch's AdamW against the
 fused kernel): measured on a 2-core x86-64 VM, at most 5e-7. A restored
 optimizer state with its step count off by one moves the curve by 5e-4, one
 not restored at all by 2e-2. The DCP resume on the same sharding repeats the
-same arithmetic, so its curve must be the uninterrupted run's exactly.
+same arithmetic, so its curve must be the uninterrupted run's exactly; so
+must a checkpointed run, whose recomputed layers run the ops of the forward
+again, on the same values.
 """
 import json
 import os
@@ -50,8 +56,11 @@ def _cases(out):
     base = ["--device", "cpu", "--preset", "tiny", "--runs", "fusedops"]
     ckpt = ["--ckpt-format", "dcp,full"]
     micro = ["--micro-batches", "2"]
+    ac = ["--checkpoint"]
     cases = [("single", base + ["--dist", "none"], False),
              ("ddp", base + ["--dist", "ddp"], True),
+             ("single_ckpt", base + ["--dist", "none"] + ac, False),
+             ("ddp_ckpt", base + ["--dist", "ddp"] + ac, True),
              ("micro", base + ["--dist", "none"] + micro, False),
              ("ddp_micro", base + ["--dist", "ddp"] + micro, True)]
     if _has_fsdp2():
@@ -66,7 +75,8 @@ def _cases(out):
                                  "--resume", str(out / "fsdp" / f"fusedops-step{SAVE_AT}")], False),
                   ("back_full", fsdp + ["--resume", f"{adamw_ckpt}.pt"], True),
                   ("back_dcp", fsdp + ["--resume", str(adamw_ckpt)], True),
-                  ("fsdp_micro", fsdp + micro, True)]
+                  ("fsdp_micro", fsdp + micro, True),
+                  ("fsdp_ckpt", fsdp + ac, True)]
     return [(name, argv + ["--out", str(out / name)], every) for name, argv, every in cases]
 
 
@@ -90,11 +100,21 @@ def _driver(out):
     """Run under torchrun: every case in one gloo group; cases for one process
     run on rank 0 while the other waits."""
     import torch.distributed as dist
+    import torch.utils.checkpoint
     dist.init_process_group("gloo")
     train = _train_module()
+    checkpoint, calls = torch.utils.checkpoint.checkpoint, []
+
+    def counted(*args, **kwargs):  # (examples/train.py imports it when it checkpoints)
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+    torch.utils.checkpoint.checkpoint = counted
     for name, argv, every in _cases(out):
+        calls.clear()
         if every or dist.get_rank() == 0:
             train.main(argv)
+            if dist.get_rank() == 0:
+                (out / name / "checkpoint_calls").write_text(str(len(calls)))
         dist.barrier()
     dist.destroy_process_group()
     train.exit_skipping_teardown()
@@ -123,6 +143,7 @@ def runs(tmp_path_factory):
         summary = json.loads(path.read_text())
         (run,) = summary["runs"]
         return run["first_step"], torch.tensor(run["losses"], dtype=torch.float64), summary
+    losses.out = out  # each case's folder, its summary.json and checkpoint_calls in it
     return losses
 
 
@@ -196,6 +217,25 @@ def test_fsdp_state_into_torch_adamw_and_back(runs):
         assert d <= LOSS_ATOL, f"{name}: FSDP2 + FusedAdamW from torch AdamW's state: curve off by {d:.3g}"
 
 
+def test_activation_checkpointing_changes_nothing(runs):
+    """--checkpoint on one process, under DDP and under FSDP2: the same loss
+    curve as the run without, bit for bit (the layers' recomputation saves
+    what their forward saved), and the summary says it was on."""
+    names = [("single", "single_ckpt"), ("ddp", "ddp_ckpt")]
+    if _has_fsdp2():
+        names.append(("fsdp", "fsdp_ckpt"))
+    for plain, ckpt in names:
+        _, want, summary = runs(plain)
+        _, got, ckpt_summary = runs(ckpt)
+        assert ckpt_summary["checkpoint"] and not summary["checkpoint"]
+        cfg = ckpt_summary["config"]
+        for name, want_calls in ((plain, 0), (ckpt, cfg["num_hidden_layers"] * cfg["steps"])):
+            calls = int((runs.out / name / "checkpoint_calls").read_text())
+            assert calls == want_calls, f"{name}: torch.utils.checkpoint called {calls} times, expected {want_calls}"
+        assert torch.equal(got, want), (
+            f"{ckpt}: off {plain}'s curve by {_max_diff(got, want):.3g}: {got.tolist()} against {want.tolist()}")
+
+
 def test_dist_gpu_script_dry_run(tmp_path):
     """tools/dist_gpu.sh (the 2-GPU parity, resume and throughput call) in
     its dry mode: the same steps and verdicts on the CPU, gloo and the tiny
@@ -212,6 +252,27 @@ def test_dist_gpu_script_dry_run(tmp_path):
                  "FSDP2 FusedAdamW from torch AdamW's DCP", "all PASS"):
         assert line in proc.stdout, f"no {line!r} in:\n{log}"
     assert (tmp_path / "out" / "dist.tar.gz").stat().st_size > 0
+
+
+
+def test_scale_script_dry_run(tmp_path):
+    """tools/scale_gpu.py (issue 56's 1-, 2- and 4-GPU table and the DCP
+    resharding) in its dry mode, on 1 and 2 CPU processes: the 2-process
+    FSDP2 run follows the 1-process curve (same global batch, in 2
+    micro-batches there), its checkpoint resumes on 1 process, and the table
+    says so."""
+    pytest.importorskip("transformers")
+    _needs_fsdp2()
+    env = dict(os.environ, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "scale_gpu.py"), "--dry", "--variants", "fusedops",
+                           "--work", str(tmp_path / "work")], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    log = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, log
+    for line in ("| fusedops | 1 | 2 |", "| fusedops | 2 | 1 |", "PASS (fusedops, 1 GPU) |",
+                 "| fusedops-1gpu-from-2 | fusedops-2gpu (DCP) | 4 |", "all PASS"):
+        assert line in proc.stdout, f"no {line!r} in:\n{log}"
+    assert (tmp_path / "out" / "scale.tar.gz").stat().st_size > 0
 
 
 if __name__ == "__main__":

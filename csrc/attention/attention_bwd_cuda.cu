@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   cp_async_wait<0>();
 
   // Keys that no query sees (outside every query's band) get zeros: dk, dv are still 0.
-  const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr);  // (padded: from p)
+  const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr, kGeneral);  // (padded: from p)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -412,7 +412,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
 }
 
 // ---------------------------------------------------------------- 3. dQ
-template <int D, bool kBanded, class T>
+// kGeneral as for the dK, dV kernel.
+template <int D, bool kBanded, bool kGeneral, class T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_params p, const float *delta,
                                                                const float *lse2, int64_t rows) {
   using C = Cfg<D>;
@@ -429,11 +430,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
   const int64_t i0 = static_cast<int64_t>(kBanded ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kRows;
   const int64_t bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
   const int64_t hk = h / (p.Hq / p.Hkv);
-  const SeqView seq(p, b);
+  const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr, kGeneral);
   if (i0 >= seq.sq) return;  // past its sequence (varlen)
-  const bool capped = p.softcap > 0.f;  // soft-capped scores arrive scaled (softcap_scores)
+  const bool capped = kGeneral && p.softcap > 0.f;  // soft-capped scores arrive scaled (softcap_scores)
   const float scale2 = capped ? kLog2e : p.scale * kLog2e;
-  const int dlo = seq.dlo(), dhi = seq.dhi();
+  const int dlo = seq.dlo(kGeneral), dhi = seq.dhi(kGeneral);
 
   const T *q = static_cast<const T *>(p.q) + seq.bs * p.q_st.batch + h * p.q_st.head + (seq.q_tok + i0) * p.q_st.seq;
   const T *dout = static_cast<const T *>(p.dout) + seq.bs * p.dout_st.batch + h * p.dout_st.head +
@@ -470,7 +471,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
       row_l[mt][r] = row0 + 16 * mt + g + 8 * r;
       const int64_t i = i0 + row_l[mt][r];
       const bool ok = i < seq.sq;
-      l2[mt][r] = ok ? lse2[(b * p.Hq + h) * rows + i] : INFINITY;
+      const float l = kGeneral ? lse2[(b * p.Hq + h) * rows + i]
+                               : p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.seq] * kLog2e;
+      l2[mt][r] = ok ? l : INFINITY;
       dl[mt][r] = ok ? delta[(b * p.Hq + h) * rows + i] : 0.f;
     }
 
@@ -517,7 +520,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
                                      (capped ? softcap_grad(pe, l2[mt][r], p.softcap) : 1.f);
             }
     };
-    if (k_lim < kKTile || (kBanded && !seq.inside(i0, i0 + kRows, j0, j0 + kKTile)))
+    if (k_lim < kKTile || (kBanded && (kGeneral ? !seq.inside(i0, i0 + kRows, j0, j0 + kKTile) : j0 + kKTile - 1 > i0)))
       scores_grad(std::true_type{});
     else
       scores_grad(std::false_type{});
@@ -587,12 +590,14 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
     return fo::last_error();
   }
   constexpr size_t smem_q = (2 * C::kRows + 4 * C::kKTile) * D * sizeof(T);
-  auto dqk = attn_bwd_dq_kernel<D, kBanded, T>;
-  if (const char *e = allow_smem(dqk, smem_q)) return e;
   const dim3 grid_q(static_cast<unsigned>((p.Sq + C::kRows - 1) / C::kRows),
                     static_cast<unsigned>(p.B * p.Hq));
-  dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta, lse2, rows);
-  return fo::last_error();
+  return with_general([&](auto general) {
+    auto dqk = attn_bwd_dq_kernel<D, kBanded, decltype(general)::value, T>;
+    if (const char *e = allow_smem(dqk, smem_q)) return e;
+    dqk<<<grid_q, kThreads, smem_q, stream>>>(p, delta, lse2, rows);
+    return fo::last_error();
+  });
 }
 
 }  // namespace

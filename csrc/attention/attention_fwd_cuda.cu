@@ -43,33 +43,39 @@ constexpr int kBlockM = kWarps * 16 * kMT<D>;
 // warp's 16 x 256 outputs take what 32 x 128 take at D = 128, and 64 keys'
 // scores what 32 take there; shared memory: 96 KB, inside the 99 KB an
 // sm_86 / sm_89 block may have.
-template <int D>
-constexpr int kBlockN = D <= 96 ? 64 : D <= 128 ? 32 : 64;
+template <int D, bool kGeneral>
+constexpr int kBlockN = D <= 64 ? 64 : D == 96 ? (kGeneral ? 32 : 64) : D <= 128 ? 32 : 64;
 
 // ---------------------------------------------------------------- the kernel
-template <int D, bool kBanded, class T>
+// kGeneral: windows, varlen and soft-capping read from p (FwdBlock); those
+// instances re-read Q for every key tile, the registers going to their state.
+template <int D, bool kBanded, bool kGeneral, class T>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params p) {
   // Q fragments stay in registers at D = 64; at D = 128 they would push the
   // 32 x 128 output accumulators past 255 registers (at D = 256 the 16 x 256
   // ones), so they are re-read from shared memory for every key tile.
-  constexpr bool kQRegs = D <= 64;
+  constexpr bool kQRegs = D <= 64 && !kGeneral;
   constexpr int MT = kMT<D>, BM = kBlockM<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw);
   T *sK = sQ + BM * D;
-  T *sV = sK + kBlockN<D> * D;
+  T *sV = sK + kBlockN<D, kGeneral> * D;
 
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;  // g: mma fragment row group
-  const FwdBlock<T, BM, kBlockN<D>, kBanded> blk(p);
+  const FwdBlock<T, BM, kBlockN<D, kGeneral>, kBanded, kGeneral> blk(p);
   if (blk.q_rows <= 0) return;  // past its sequence (varlen)
-  constexpr int N = kBlockN<D>;
+  constexpr int N = kBlockN<D, kGeneral>;
   // Soft-capped scores arrive scaled (softcap_scores).
-  const float scale2 = p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  const bool capped = kGeneral && p.softcap > 0.f;
+  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
   const T *k = blk.k, *v = blk.v;
   const int64_t i0 = blk.i0;
   const int n_tiles = blk.n_tiles;
   auto tile0 = [&](int j) { return static_cast<int64_t>(blk.j_first + j) * N; };
-  auto rows_of = [&](int j) { return blk.k_rem - j * N < N ? blk.k_rem - j * N : N; };  // keys of tile j
+  auto rows_of = [&](int j) {  // keys of tile j (the padded layout's from p)
+    if constexpr (kGeneral) return blk.k_rem - j * N < N ? blk.k_rem - j * N : N;
+    else return static_cast<int>(imin(N, p.Sk - tile0(j)));
+  };
 
   load_tile<D, kThreads>(sQ, blk.q, p.q_st.seq, BM, blk.q_rows);
   cp_async_commit();
@@ -117,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     __syncthreads();  // every warp is done with sK
     if (j + 1 < n_tiles) load_tile<D, kThreads>(sK, k + (j0 + N) * p.k_st.seq, p.k_st.seq, N, rows_of(j + 1));
     cp_async_commit();
-    if (p.softcap > 0.f)
+    if (capped)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) softcap_scores(s[mt], p.scale, p.softcap);
 
@@ -149,10 +155,10 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
     for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[mt][r], o[mt], r, m[mt][r], l[mt][r]);
 }
 
-template <int D, bool kBanded, class T>
+template <int D, bool kBanded, bool kGeneral, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
-  constexpr size_t smem = (kBlockM<D> + 2 * kBlockN<D>) * D * sizeof(T);
-  auto kernel = attn_fwd_kernel<D, kBanded, T>;
+  constexpr size_t smem = (kBlockM<D> + 2 * kBlockN<D, kGeneral>) * D * sizeof(T);
+  auto kernel = attn_fwd_kernel<D, kBanded, kGeneral, T>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
           cudaSuccess)
@@ -171,7 +177,10 @@ extern "C" const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream) {
   // scale > 0: the wgmma forward takes the row max of the raw scores (softmax_tile's kFoldScale).
   if (p->wgmma && p->scale > 0.f) return fo_attn_fwd_wgmma_cuda(p, stream);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return fo_attn::dispatch(*p, [&](auto d, auto causal, auto t) {
-    return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
+  return fo_attn::dispatch(*p, [&](auto d, auto banded, auto t) {
+    constexpr int kD = decltype(d)::value;
+    constexpr bool kBanded = decltype(banded)::value;
+    using T = std::remove_pointer_t<decltype(t)>;
+    return fo_attn_general(p) ? launch<kD, kBanded, true, T>(*p, s) : launch<kD, kBanded, false, T>(*p, s);
   });
 }

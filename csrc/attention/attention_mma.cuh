@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <climits>
 
 #include <type_traits>
 
@@ -263,8 +264,10 @@ struct SeqView {
   int64_t dmin, dmax;  // key j is seen by query i iff dmin <= j - i <= dmax (and 0 <= j < sk)
   // varlen: p.cu_seqlens_q != nullptr, or a constant false where a kernel's
   // instance is for the padded layout only (the compiler drops the rest).
+  // general = false: the band is causal's (for the instances of no mask or
+  // a causal one, which read it only when causal), a constant.
   __device__ __forceinline__ SeqView(const fo_attn_params &p, int64_t b) : SeqView(p, b, p.cu_seqlens_q != nullptr) {}
-  __device__ __forceinline__ SeqView(const fo_attn_params &p, int64_t b, bool varlen) {
+  __device__ __forceinline__ SeqView(const fo_attn_params &p, int64_t b, bool varlen, bool general = true) {
     if (varlen) {
       bs = 0;
       q_tok = p.cu_seqlens_q[b];
@@ -278,8 +281,8 @@ struct SeqView {
       sk = p.Sk;
     }
     const int64_t diag = varlen ? sk - sq : 0;
-    dmin = p.window_left >= 0 ? diag - p.window_left : -kFar;
-    dmax = p.window_right >= 0 ? diag + p.window_right : kFar;
+    dmin = general && p.window_left >= 0 ? diag - p.window_left : -kFar;
+    dmax = !general ? 0 : p.window_right >= 0 ? diag + p.window_right : kFar;
   }
   // The keys [lo, hi) some query of rows [r0, r1) sees (lo >= hi: none).
   __device__ __forceinline__ int64_t keys_lo(int64_t r0) const { return r0 + dmin > 0 ? r0 + dmin : 0; }
@@ -293,8 +296,14 @@ struct SeqView {
   }
   // The band as the element masks test it: kl + off - row against
   // [dlo, dhi], clamped into int (a sequence is shorter than 2^30).
-  __device__ __forceinline__ int dlo() const { return static_cast<int>(dmin < -(1 << 30) ? -(1 << 30) : dmin); }
-  __device__ __forceinline__ int dhi() const { return static_cast<int>(dmax > (1 << 30) ? (1 << 30) : dmax); }
+  // general = false: an instance for no mask or causal only, whose band is
+  // a constant the compiler folds into the tests (INT_MIN: no test).
+  __device__ __forceinline__ int dlo(bool general = true) const {
+    return general ? static_cast<int>(dmin < -(1 << 30) ? -(1 << 30) : dmin) : INT_MIN;
+  }
+  __device__ __forceinline__ int dhi(bool general = true) const {
+    return general ? static_cast<int>(dmax > (1 << 30) ? (1 << 30) : dmax) : 0;
+  }
 };
 
 // Block (blockIdx.x, blockIdx.y) of a forward grid: kBlockM query rows from
@@ -303,8 +312,11 @@ struct SeqView {
 // all of them). q_rows <= 0: the block is past its sequence (varlen) and has
 // nothing to do. Banded: the last query tiles see the most keys (causal);
 // launching them first leaves light blocks, not heavy ones, for the tail.
-template <class T, int kBlockM, int kBlockN, bool kBanded>
+// kGeneral: windows, varlen and soft-capping read from p; otherwise the
+// block is of the padded layout with no mask or a causal one.
+template <class T, int kBlockM, int kBlockN, bool kBanded, bool kGeneral_ = false>
 struct FwdBlock {
+  static constexpr bool kGeneral = kGeneral_;
   int64_t i0, b, h;
   const T *q, *k, *v;  // q at row i0; k, v at key 0 of kv head h / (Hq / Hkv)
   T *out;              // out at row i0
@@ -317,7 +329,7 @@ struct FwdBlock {
     const int64_t bh = blockIdx.y, hk = bh % p.Hq / (p.Hq / p.Hkv);
     b = bh / p.Hq;
     h = bh % p.Hq;
-    const SeqView seq(p, b);
+    const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr, kGeneral);
     q = static_cast<const T *>(p.q) + seq.bs * p.q_st.batch + h * p.q_st.head + (seq.q_tok + i0) * p.q_st.seq;
     k = static_cast<const T *>(p.k) + seq.bs * p.k_st.batch + hk * p.k_st.head + seq.k_tok * p.k_st.seq;
     v = static_cast<const T *>(p.v) + seq.bs * p.v_st.batch + hk * p.v_st.head + seq.k_tok * p.v_st.seq;
@@ -328,14 +340,14 @@ struct FwdBlock {
     j_first = static_cast<int>(lo / kBlockN);
     n_tiles = q_rows > 0 && hi > lo ? static_cast<int>((hi + kBlockN - 1) / kBlockN) - j_first : 0;
     k_rem = static_cast<int>(seq.sk - static_cast<int64_t>(j_first) * kBlockN);
-    dlo = seq.dlo();
-    dhi = seq.dhi();
+    dlo = seq.dlo(kGeneral);
+    dhi = seq.dhi(kGeneral);
   }
   // Whether a key tile needs the element mask for the block-local rows [r0,
   // r1): keys past the sequence (rem: keys from the tile's start to its
   // end), or (banded) a key - query offset outside the band (off = j0 - i0).
   __device__ __forceinline__ bool edge(int off, int rem, int r0, int r1) const {
-    return rem < kBlockN || (kBanded && (off + kBlockN - 1 - r0 > dhi || off - (r1 - 1) < dlo));
+    return rem < kBlockN || (kBanded && (off + kBlockN - 1 - r0 > dhi || (kGeneral && off - (r1 - 1) < dlo)));
   }
 };
 
@@ -454,10 +466,14 @@ __device__ __forceinline__ void store_out_row(const fo_attn_params &p, const Blo
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   if (row_l >= blk.q_rows) return;
   const float inv = l != 0.f ? 1.f / l : 0.f;
-  store_row(blk.out + row_l * p.out_st.seq, o, r, inv);
-  if (threadIdx.x % 4 == 0)
-    blk.lse[row_l * p.lse_st.seq] =
-        l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+  // (The padded layout's addresses from p: fewer registers live across the loop.)
+  const int64_t row = blk.i0 + row_l;
+  T *out = Block::kGeneral ? blk.out + row_l * p.out_st.seq
+                           : static_cast<T *>(p.out) + blk.b * p.out_st.batch + blk.h * p.out_st.head + row * p.out_st.seq;
+  float *lse = Block::kGeneral ? blk.lse + row_l * p.lse_st.seq
+                               : p.lse + blk.b * p.lse_st.batch + blk.h * p.lse_st.head + row * p.lse_st.seq;
+  store_row(out, o, r, inv);
+  if (threadIdx.x % 4 == 0) *lse = l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
 }
 
 // ---------------------------------------------------------------- host dispatch

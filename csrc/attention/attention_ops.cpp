@@ -8,9 +8,6 @@
 #include <limits>
 #include <tuple>
 
-#ifdef FUSEDOPS_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace fusedops {
 namespace {
@@ -55,24 +52,6 @@ void check_cuda_fwd(const char *op, const Tensor &q, int64_t batch) {
                   batch * heads, ", expected at most 65535 on CUDA");
 }
 
-// What the CUDA kernels do not take yet (issue 52: windows other than plain
-// causal, soft-capping, packed sequences), refused by name; this one check
-// goes when they do.
-void check_cuda_masks(const char *op, const fo_attn_params &p, bool varlen) {
-  STD_TORCH_CHECK(!fo_attn_banded(&p) || p.causal, op, ": a sliding window (window_left ", p.window_left,
-                  ", window_right ", p.window_right, ") is not built for CUDA yet");
-  STD_TORCH_CHECK(p.softcap == 0.0f, op, ": softcap ", p.softcap, " (soft-capping) is not built for CUDA yet");
-  STD_TORCH_CHECK(!varlen, op, ": packed sequences (varlen) are not built for CUDA yet");
-}
-
-// Whether the current stream of t's GPU is capturing a CUDA graph (where no
-// copy to the host may run).
-bool stream_capturing(const Tensor &t) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  STD_TORCH_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(current_cuda_stream(t)), &status) == cudaSuccess,
-                  "fusedops: could not query the current CUDA stream's capture status");
-  return status != cudaStreamCaptureStatusNone;
-}
 #endif
 
 // An operand as the kernels of its device read it: unit-stride last dimension,
@@ -138,23 +117,13 @@ fo_attn_params mask_params(const char *op, bool causal, int64_t window_left, int
 }
 
 // Packed sequences: cu_seqlens_q / _k int32, 1-D, B + 1 values each, on q's
-// device; their values, where the host can read them (on the CPU, or copied
-// from the GPU unless its current stream is capturing a CUDA graph): first 0,
-// non-decreasing, last the number of tokens of q (k), no sequence longer than
-// max_seqlen_q (_k). Returns B.
-void check_cu_values(const char *op, const char *arg, const Tensor &cu, int64_t total, const char *of,
+// device; on the CPU also their values: first 0, non-decreasing, last the
+// number of tokens of q (k), no sequence longer than max_seqlen_q (_k). On a
+// GPU the values are the caller's to keep, as FlashAttention's: reading them
+// would synchronise the stream inside the op.
+void check_cu_values(const char *op, const char *arg, const Tensor &host, int64_t total, const char *of,
                      int64_t max_len, const char *max_arg) {
-  Tensor host = cu;
-  if (!cu.is_cpu()) {
-#ifdef FUSEDOPS_WITH_CUDA
-    if (stream_capturing(cu)) return;
-#endif
-    try {
-      host = torch::stable::to(cu, torch::stable::Device(torch::headeronly::DeviceType::CPU));
-    } catch (const std::exception &) {
-      out_of_memory(op, std::string("a host copy of ") + arg, sizes_of(cu), cu.scalar_type(), "cpu");
-    }
-  }
+  if (!host.is_cpu()) return;
   const int32_t *c = static_cast<const int32_t *>(host.data_ptr());
   const int64_t n = host.size(0), st = host.stride(0);
   STD_TORCH_CHECK(c[0] == 0, op, ": ", arg, "[0] is ", c[0], ", expected 0 (the prefix sums of the sequence lengths)");
@@ -255,10 +224,7 @@ std::tuple<Tensor, Tensor> fwd(const char *op, Tensor q, Tensor k, Tensor v, con
   Tensor out = new_output(q, sizes_of(q), q.scalar_type(), op, "out");
   Tensor lse = new_output(q, lse_shape(q, vl), ScalarType::Float, op, "lse");
 #ifdef FUSEDOPS_WITH_CUDA
-  if (q.is_cuda()) {
-    check_cuda_fwd(op, q, sequences(q, vl));
-    check_cuda_masks(op, p, varlen);
-  }
+  if (q.is_cuda()) check_cuda_fwd(op, q, sequences(q, vl));
 #endif
   if (out.numel() == 0) return {out, lse};  // no batch, query or head (head_dim >= 1)
   if (k.size(seq_dim(k)) == 0) {
@@ -334,10 +300,7 @@ void bwd_into(const char *op, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor 
   }
 
 #ifdef FUSEDOPS_WITH_CUDA
-  if (q.is_cuda()) {
-    check_cuda_fwd(op, q, sequences(q, vl));
-    check_cuda_masks(op, p, varlen);
-  }
+  if (q.is_cuda()) check_cuda_fwd(op, q, sequences(q, vl));
 #endif
   if (q.numel() == 0) {
     // No query: nothing flows back to k and v (which may still have keys).
