@@ -125,8 +125,8 @@ def _packed_sequences(attention_mask, kwargs, query, key, window):
     FlashAttention trusts them), or from position_ids restarting per document
     (the same collator without them). A mask transformers made is used only
     once checked to be exactly causal attention within the documents (and the
-    sliding window): anything else it holds keeps it. The check (one per mask
-    tensor, kept on it) reads values: not while torch.compile traces."""
+    sliding window): anything else it holds keeps it. The check reads values:
+    not while torch.compile traces (the mask then goes to torch's SDPA)."""
     b, _, s, _ = query.shape
     if key.shape[2] != s or s < 2 or torch.compiler.is_compiling():
         return None
@@ -134,12 +134,14 @@ def _packed_sequences(attention_mask, kwargs, query, key, window):
     pos = kwargs.get("position_ids")
     if cu is None and (attention_mask is None or pos is None):
         return None
-    if attention_mask is not None:
-        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
-            return None
-        memo = getattr(attention_mask, "_fusedops_packed", None)
-        if memo is not None and memo[0] == (attention_mask._version, window):
-            return memo[1]
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4):
+        return None
+    # Every layer gets the same mask (or offsets) tensor: worked out once (the
+    # checks read values, which on a GPU waits for the stream).
+    holder = attention_mask if attention_mask is not None else cu
+    memo = getattr(holder, "_fusedops_packed", None)
+    if memo is not None and memo[0] == (holder._version, window, b, s):
+        return memo[1]
     if cu is not None:
         if (kwargs.get("cu_seq_lens_k") is not None and not torch.equal(kwargs["cu_seq_lens_k"], cu)) or (
                 int(cu[-1]) != b * s):
@@ -158,8 +160,7 @@ def _packed_sequences(attention_mask, kwargs, query, key, window):
     if attention_mask is None or _packed_mask_is(attention_mask, starts.view(b, s), window):
         cu = torch.cat([starts.nonzero().view(-1), torch.tensor([b * s], device=query.device)])
         result = cu.to(torch.int32), int(cu.diff().max())
-    if attention_mask is not None:
-        attention_mask._fusedops_packed = ((attention_mask._version, window), result)
+    holder._fusedops_packed = ((holder._version, window, b, s), result)
     return result
 
 
