@@ -6,10 +6,13 @@ so that
     import fusedops.hf
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fusedops")
 
-runs attention through fusedops.functional.scaled_dot_product_attention, and
-adds the entries of fusedops.patch's table for the Llama, Mistral, Qwen2 and
-Qwen3 families (their decoder layers are one code: transformers generates the
-others from Llama's), each a forward of fusedops' own:
+runs attention on fusedops' kernels (flash_attention with sliding windows and
+soft-capping, flash_attention_varlen for packed documents; see
+attention_forward), and adds the entries of fusedops.patch's table for the
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text) families
+(FAMILIES), each a forward of fusedops' own, the layout (gate / up apart or
+packed, four norms a layer or two, q / k / v apart or packed) read from the
+module's structure:
 
   <Family>RMSNorm       forward(x) -> fused RMSNorm; forward(x, residual) ->
                         (out, x + residual), the fused add+norm (called so only
