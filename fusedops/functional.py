@@ -179,16 +179,19 @@ class _GLUMLP(torch.autograd.Function):
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation):
         orig = (x, wg, wu, wd, bg, bu, bd)
         dev = x.device.type
-        wgu = _joint_weight(wg, wu)
+        given_packed = wu is None  # wg is [Wg; Wu] and bg [bg; bu] (glu_mlp's packed form)
+        wgu = wg if given_packed else _joint_weight(wg, wu)
         dt = autocast_dtype(dev)
         if dt is not None:
             x, wg, wu, wd, bg, bu, bd = (t if t is None else t.to(dt) for t in orig)
-            if wgu is not None:  # one cast, and Wg, Wu its halves
+            if given_packed:
+                wgu = wg
+            elif wgu is not None:  # one cast, and Wg, Wu its halves
                 wgu = wgu.to(dt)
                 wg, wu = wgu.chunk(2)
         with torch.autocast(dev, enabled=False) if dt is not None else contextlib.nullcontext():
             if wgu is not None:
-                bgu = None if bg is None and bu is None else torch.cat(
+                bgu = bg if given_packed else None if bg is None and bu is None else torch.cat(
                     [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
                 gate_up = torch.nn.functional.linear(x, wgu, bgu)
                 h = _ops.glu_packed_fwd(gate_up, activation)
@@ -199,7 +202,7 @@ class _GLUMLP(torch.autograd.Function):
                 h = _ops.glu_fwd(gate, up, activation)
                 ctx.save_for_backward(x, gate, up, wg, wu, wd)
             y = torch.nn.functional.linear(h, wd, bd)
-        ctx.packed = wgu is not None
+        ctx.packed, ctx.given_packed = wgu is not None, given_packed
         ctx.activation = activation
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
         return y
@@ -233,15 +236,24 @@ class _GLUMLP(torch.autograd.Function):
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
         if ctx.packed:
+            # One matmul for the gate and up weights' gradients: the packed
+            # weight's, or (adjacent weights) two views of it.
             dgu2 = _rows(gate_up)
-            dgate2, dup2 = dgu2[:, :f], dgu2[:, f:]
             dx = (dgu2 @ wgu).reshape(x.shape) if need[0] else None
+            dwgu = dgu2.t() @ x2 if need[1] or need[2] else None
+            dbgu = dgu2.sum(0) if need[4] or need[5] else None
+            if ctx.given_packed:
+                dwg, dwu, dbg, dbu = dwgu, None, dbgu, None
+            else:
+                dwg, dwu = (None, None) if dwgu is None else (dwgu[:f], dwgu[f:])
+                dbg, dbu = (None, None) if dbgu is None else (dbgu[:f], dbgu[f:])
         else:
             dgate2, dup2 = _rows(gate), _rows(up)
             dx = torch.addmm(dgate2 @ wg, dup2, wu).reshape(x.shape) if need[0] else None
-        grads = [dx, dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None, dwd,
-                 dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None,
-                 dy2.sum(0) if need[6] else None]
+            dwg, dwu = dgate2.t() @ x2 if need[1] else None, dup2.t() @ x2 if need[2] else None
+            dbg, dbu = dgate2.sum(0) if need[4] else None, dup2.sum(0) if need[5] else None
+        grads = [dx, dwg if need[1] else None, dwu if need[2] else None, dwd,
+                 dbg if need[4] else None, dbu if need[5] else None, dy2.sum(0) if need[6] else None]
         return (*(g if g is None or g.dtype == t else g.to(t) for g, t in zip(grads, ctx.dtypes)), None)
 
 
@@ -255,16 +267,20 @@ def _check_mlp(x, wg, wu, wd, bg, bu, bd, activation):
         fail(f"activation is {activation!r}, expected 'silu' or 'gelu_tanh'")
     if x.dim() < 1:
         fail(f"x has shape {list(x.shape)}, expected at least one dimension")
-    h, f = x.shape[-1], wg.shape[0] if wg.dim() == 2 else None
-    want = {"gate_weight": (wg, f"[F, {h}] ({h}: the last dimension of x)"),
+    packed = wu is None
+    if packed and bu is not None:
+        fail("up_bias is given without up_weight; with gate_weight packed as [gate; up], gate_bias holds both")
+    h, f = x.shape[-1], wg.shape[0] // (2 if packed else 1) if wg.dim() == 2 else None
+    rows = "half the rows" if packed else "the rows"
+    want = {"gate_weight": (wg, f"[{'2F' if packed else 'F'}, {h}] ({h}: the last dimension of x)"),
             "up_weight": (wu, "the shape of gate_weight"),
-            "down_weight": (wd, f"[H, {f}] ({f}: the rows of gate_weight)"),
-            "gate_bias": (bg, f"[{f}]"), "up_bias": (bu, f"[{f}]"),
+            "down_weight": (wd, f"[H, {f}] ({f}: {rows} of gate_weight)"),
+            "gate_bias": (bg, f"[{wg.shape[0] if wg.dim() == 2 else None}]"), "up_bias": (bu, f"[{f}]"),
             "down_bias": (bd, "[H] (H: the rows of down_weight)")}
-    shape_ok = {"gate_weight": wg.dim() == 2 and wg.shape[1] == h,
-                "up_weight": wu.shape == wg.shape,
+    shape_ok = {"gate_weight": wg.dim() == 2 and wg.shape[1] == h and not (packed and wg.shape[0] % 2),
+                "up_weight": packed or wu.shape == wg.shape,
                 "down_weight": wd.dim() == 2 and wd.shape[1] == f,
-                "gate_bias": bg is None or tuple(bg.shape) == (f,),
+                "gate_bias": bg is None or tuple(bg.shape) == (wg.shape[0],),
                 "up_bias": bu is None or tuple(bu.shape) == (f,),
                 "down_bias": bd is None or (wd.dim() == 2 and tuple(bd.shape) == (wd.shape[0],))}
     autocast = autocast_dtype(x.device.type) is not None
@@ -285,7 +301,9 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None
     """The Llama-family MLP, down_proj(act(gate_proj(x)) * up_proj(x)), with
     torch.nn.functional.linear's weight layout ([out, in]). Keeps x and the two
     projections for the backward, not the activation; activation "silu"
-    (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    (SwiGLU) or "gelu_tanh" (GeGLU). up_weight None: gate_weight is the packed
+    [W_gate; W_up] of one gate-up projection ([2F, H], Phi-3's gate_up_proj),
+    gate_bias (if any) [b_gate; b_up], and its gradient comes as one tensor."""
     _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
     return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
                          activation)
@@ -602,19 +620,20 @@ class _QKVAttention(torch.autograd.Function):
     gradient for each of them in the backward."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, hq, hkv, scale, causal, cache):
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, cos, sin, hq, hkv, scale, causal, cache, window, softcap):
         orig = (x, wq, wk, wv, bq, bk, bv)
         dev = x.device.type
-        w = _joint_weight(wq, wk, wv)
+        given_packed = wk is None  # wq is [Wq; Wk; Wv] and bq [bq; bk; bv] (one qkv projection)
+        w = wq if given_packed else _joint_weight(wq, wk, wv)
         dt = autocast_dtype(dev)
         if dt is not None:
             x, wq, wk, wv, bq, bk, bv = (t if t is None else t.to(dt) for t in orig)
-            w = None if w is None else w.to(dt)
+            w = wq if given_packed else None if w is None else w.to(dt)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         with torch.autocast(dev, enabled=False) if dt is not None else contextlib.nullcontext():
             if w is None:
                 w = torch.cat([wq, wk, wv])
-            b = None if bq is None and bk is None and bv is None else torch.cat(
+            b = bq if given_packed else None if bq is None and bk is None and bv is None else torch.cat(
                 [t if t is not None else wr.new_zeros(wr.shape[0]) for t, wr in ((bq, wq), (bk, wk), (bv, wv))])
             bsz, seq = x.shape[:2]
             qkv = torch.nn.functional.linear(x, w, b).view(bsz, seq, hq + 2 * hkv, w.shape[0] // (hq + 2 * hkv))
@@ -623,9 +642,11 @@ class _QKVAttention(torch.autograd.Function):
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
             _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
             det = torch.are_deterministic_algorithms_enabled()
-            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det)
+            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det, *window, softcap)
         ctx.save_for_backward(x, qkv, w, out, lse, cos, sin)
         ctx.heads, ctx.scale, ctx.causal, ctx.det = (hq, hkv), scale, causal, det
+        ctx.mask = (*window, softcap)
+        ctx.given_packed = given_packed
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
         out = out.view(bsz, seq, hq * out.shape[-1])
         if not cache:
@@ -644,26 +665,35 @@ class _QKVAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v = qkv.split([hq, hkv, hkv], dim=2)
         dqkv = _ops.attn_bwd_packed(dout.to(out.dtype).reshape(out.shape), q, k, v, out, lse, ctx.scale,
-                                    ctx.causal, ctx.det)
+                                    ctx.causal, ctx.det, *ctx.mask)
         dq, dk, _ = dqkv.split([hq, hkv, hkv], dim=2)
         _ops.rope_(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
         g = dqkv.view(-1, w.shape[0])
         rows = [hq * q.shape[3], hkv * q.shape[3], hkv * q.shape[3]]
         dx = (g @ w).view(x.shape) if need[0] else None
-        dws = (g.t() @ _rows(x)).split(rows) if any(need[1:4]) else (None,) * 3
-        dbs = g.sum(0).split(rows) if any(need[4:7]) else (None,) * 3
+        dw = g.t() @ _rows(x) if any(need[1:4]) else None
+        db = g.sum(0) if any(need[4:7]) else None
+        if ctx.given_packed:  # one gradient for the packed weight (and bias)
+            dws, dbs = (dw, None, None), (db, None, None)
+        else:
+            dws = dw.split(rows) if dw is not None else (None,) * 3
+            dbs = db.split(rows) if db is not None else (None,) * 3
         grads = [dx, *(d if n else None for d, n in zip(dws, need[1:4])),
                  *(d if n else None for d, n in zip(dbs, need[4:7]))]
         return (*(gr if gr is None or gr.dtype == t else gr.to(t) for gr, t in zip(grads, ctx.dtypes)),
-                *(None,) * 7)
+                *(None,) * 9)
 
 
 def _qkv_fused(x, wq, wk, wv, cos, sin, num_heads, num_kv_heads, bq=None, bk=None, bv=None, scale=None,
-               causal=True, return_kv=False):
-    """qkv_attention on the kernels, for a call _qkv_gap has cleared."""
-    scale = (wq.shape[0] // num_heads) ** -0.5 if scale is None else float(scale)
+               causal=True, return_kv=False, window_size=(-1, -1), softcap=0.0):
+    """qkv_attention on the kernels, for a call _qkv_gap has cleared (with wq,
+    wk, wv; here wk and wv None and wq, bq packed as [Wq; Wk; Wv], [bq; bk; bv]
+    is the same call). window_size and softcap as for flash_attention (the
+    Hugging Face forwards' sliding windows and Gemma 2's soft-capping)."""
+    heads = num_heads + (2 * num_kv_heads if wk is None else 0)
+    scale = (wq.shape[0] // heads) ** -0.5 if scale is None else float(scale)
     res = _QKVAttention.apply(x, wq, wk, wv, bq, bk, bv, cos, sin, num_heads, num_kv_heads, scale,
-                              bool(causal), bool(return_kv))
+                              bool(causal), bool(return_kv), _window(window_size), float(softcap))
     if not return_kv:
         return res
     # Detached again: torch 2.11's AOTAutograd loses mark_non_differentiable on

@@ -195,7 +195,8 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     place, and return the model.
 
     norm: torch.nn.LayerNorm / RMSNorm and the RMSNorms of Hugging Face Llama,
-    Mistral, Qwen2 and Qwen3. swiglu: their gated MLPs. attention: a Hugging
+    Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 (fusedops.hf.FAMILIES).
+    swiglu: their gated MLPs. attention: a Hugging
     Face model's attention implementation becomes "fusedops"
     (fusedops.functional.scaled_dot_product_attention). fuse_residual: in their
     decoder layers, the residual add before the post-attention norm and the one

@@ -20,7 +20,7 @@ import torch
 
 import fusedops
 from fusedops import functional as F, nn as fnn, reference
-from test_patch import FAMILIES, _grads, _hf_model, _hf_run
+from test_patch import FAMILIES, NEW_FAMILIES, _grads, _hf_model, _hf_run
 from tolerances import assert_close_2x
 
 pytest.importorskip("transformers")
@@ -325,7 +325,7 @@ def test_fusing_never_reads_transformers_source(monkeypatch):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("fusedops"):
             raise AssertionError("fusedops read another project's source text")
         return get_source(*a, **kw)
-    models = {family: _hf_model(family) for family in FAMILIES}
+    models = {family: _hf_model(family) for family in FAMILIES + NEW_FAMILIES}
     monkeypatch.setattr(inspect, "getsource", no_source)
     monkeypatch.setattr(hf, "_table", None)
     for family, m in models.items():

@@ -141,14 +141,32 @@ def test_register_bad_flag():
 
 
 # --------------------------------------------------------------- Hugging Face
+# What the families' configs need besides _hf_model's common sizes: Gemma's
+# head dim (256 by default) and query scale, a sliding window shorter than the
+# tests' sequences on local layers that alternate with global ones; Phi-3's
+# padding token (32000 by default) inside the vocabulary.
+FAMILY_CONFIG = {
+    "Gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5),
+    "Gemma3": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5),
+    "Phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+CONFIG_CLASS = {"Gemma3": "Gemma3TextConfig"}
+
+
 def _hf_model(family, dtype=torch.float32, layers=2, **extra):
     """A tiny random model of one family: GQA (4 query heads, 2 KV heads),
-    head dim 16, odd sequence lengths in the tests."""
+    head dim 16, odd sequence lengths in the tests. Gemma's layers alternate
+    local (sliding window 5) and global."""
     transformers = pytest.importorskip("transformers")
-    cfg = getattr(transformers, f"{family}Config")(
-        vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, **extra)
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}ForCausalLM")
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              tie_word_embeddings=False, **FAMILY_CONFIG.get(family, {}))
+    if family.startswith("Gemma"):
+        kw["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+    kw.update(extra)
+    cfg = getattr(transformers, CONFIG_CLASS.get(family, f"{family}Config"))(**kw)
     return getattr(transformers, f"{family}ForCausalLM")(cfg).to(dtype)
 
 
@@ -160,6 +178,7 @@ def _hf_run(model, ids, **kw):
 
 
 FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3"]
+NEW_FAMILIES = ["Gemma2", "Gemma3", "Phi3"]  # (tests/test_hf_families.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

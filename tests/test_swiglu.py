@@ -506,3 +506,47 @@ def test_module_peak_memory():
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < peaks[0], f"peak above the base: fused {peaks[1]} B, eager {peaks[0]} B"
+
+
+# --------------------------------------------------------------------------- packed gate-up weight
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", LOWP, ids=dtype_id)
+def test_glu_mlp_packed_weight(device, dtype, bias, act):
+    """glu_mlp with up_weight None and gate_weight the packed [W_gate; W_up]
+    (Phi-3's gate_up_proj): output and every gradient against the float64
+    reference (its halves as two weights) by the 2x rule; the packed weight's
+    gradient is one tensor."""
+    h, f = 24, 37
+    w = {"gu": randn((2 * f, h), torch.float32, device) / h ** 0.5, "d": randn((h, f), torch.float32, device) / f ** 0.5}
+    if bias:
+        w.update(bgu=randn((2 * f,), torch.float32, device), bd=randn((h,), torch.float32, device))
+    x, dy = randn((3, 5, h), dtype, device), randn((3, 5, h), dtype, device)
+
+    def run(to, fused):
+        ws = {k: v.detach().to(to).requires_grad_() for k, v in w.items()}
+        xi = x.detach().to(to).requires_grad_()
+        if fused:
+            y = FF.glu_mlp(xi, ws["gu"], None, ws["d"], ws.get("bgu"), None, ws.get("bd"), act)
+        else:
+            bg, bu = ws["bgu"].chunk(2) if bias else (None, None)
+            y = reference.glu_mlp(xi, *ws["gu"].chunk(2), ws["d"], bg, bu, ws.get("bd"), act)
+        y.backward(dy.to(to))
+        return {"y": y, "dx": xi.grad, **{k: v.grad for k, v in ws.items()}}
+    got, eager, want = run(dtype, True), run(dtype, False), run(torch.float64, False)
+    for k in want:
+        assert_close_2x(got[k], want[k], eager[k], f"packed {k}", scale=max(4.0, float(want[k].detach().abs().max())))
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(gate_weight=(9, 8)), r"fusedops\.glu_mlp: gate_weight has shape \[9, 8\], expected \[2F, 8\]"),
+    (dict(down_weight=(8, 5)), r"fusedops\.glu_mlp: down_weight has shape \[8, 5\], expected \[H, 6\] \(6: half the rows"),
+    (dict(gate_bias=(6,)), r"fusedops\.glu_mlp: gate_bias has shape \[6\], expected \[12\]"),
+    (dict(up_bias=(6,)), r"fusedops\.glu_mlp: up_bias is given without up_weight"),
+])
+def test_glu_mlp_packed_bad_input(device, over, match):
+    args = dict(x=randn((3, 8), torch.float32, device), gate_weight=randn((12, 8), torch.float32, device),
+                up_weight=None, down_weight=randn((8, 6), torch.float32, device))
+    for k, shape in over.items():
+        args[k] = randn(shape, torch.float32, device)
+    raises_unchanged(FF.glu_mlp, args, match)
