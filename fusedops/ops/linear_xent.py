@@ -42,25 +42,32 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # boundaries inside small inputs).
 _TEST_CHUNK_ROWS = None
 
-# A chunk's logits hold at most this share of the weight's bytes (see chunk_rows).
+# A chunk's logits hold at most this share of the weight's bytes, a chunk
+# holds at least MIN_ROWS rows, and the rows make at most MAX_CHUNKS chunks
+# (see chunk_rows).
 WEIGHT_SHARE = 4
 MIN_ROWS = 256
+MAX_CHUNKS = 32
 
 
 def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None):
-    """Rows of logits a chunk holds. The step keeps dweight (classes x hidden)
-    whatever the chunking, so a chunk's logits (rows_c x classes) are held to
-    a quarter of its size: rows_c <= hidden / 4 (1024 at hidden 4096), the
-    peak then at most 1.25x the weight's bytes plus dinput. Fewer rows would
-    make more passes over dweight (its update reads and writes all of it a
-    chunk: at hidden / 4 rows that update is still compute-bound on a GPU),
-    more would raise the peak. Never under MIN_ROWS (matmuls of fewer rows
-    run well below the machine's rate) unless free_bytes (on CUDA: what the
-    allocator can still give) would not hold them twice. The rows are then
-    spread evenly over the chunks that count needs, in multiples of 8."""
+    """Rows of logits a chunk holds.
+
+    The step keeps dweight (classes x hidden) whatever the chunking, so a
+    chunk's logits (rows_c x classes) are held to a quarter of its size:
+    rows_c <= hidden / 4 (1024 at hidden 4096), the peak then at most 1.25x
+    the weight's bytes plus dinput. Fewer rows would make more passes over
+    dweight (its update reads and writes all of it a chunk), more would raise
+    the peak. Two lower bounds: MIN_ROWS (matmuls of fewer rows run well below
+    the machine's rate), and rows / MAX_CHUNKS, because a 16-bit dweight is
+    rounded once a chunk: past about 64 roundings its error leaves the 2x
+    rule's bound (docs/linear-cross-entropy.md). free_bytes (on CUDA: what
+    the allocator can still give) caps them all: a chunk never takes more
+    than half of it. The rows are then spread evenly over the chunks that
+    count needs, in multiples of 8."""
     if _TEST_CHUNK_ROWS is not None:
         return max(1, min(rows, _TEST_CHUNK_ROWS))
-    want = max(MIN_ROWS, hidden // WEIGHT_SHARE)
+    want = max(MIN_ROWS, hidden // WEIGHT_SHARE, -(-rows // MAX_CHUNKS))
     if free_bytes is not None:
         want = min(want, max(8, free_bytes // (2 * classes * itemsize)))
     if rows <= want:
