@@ -276,12 +276,16 @@ def _backward(ctx, dloss, *_):
     if ctx.none:
         grads = _ops.linear_xent_bwd(dloss, *ctx.saved_tensors, *ctx.args)
     else:
-        # The forward's gradients times the loss's, in place: the saved
-        # tensors are handed out once (a second backward through the graph
-        # is refused by autograd's version check), and dweight is not
-        # allocated twice. Under torch.compile the graph's own buffers.
+        # The forward's gradients times the loss's, in place in eager, so
+        # that dweight is not allocated twice (the saved tensors are handed
+        # out once: a second backward through the graph is refused by
+        # autograd's version check). Out of place where the tensors are
+        # traced (torch.compile, opcheck: fake or functional tensors, a
+        # subclass of Tensor), whose graphs must not write the forward's
+        # outputs, and for any other subclass.
         grads = ctx.saved_tensors
-        grads = [g * dloss if torch.compiler.is_compiling() else g.mul_(dloss) for g in grads]
+        eager = type(dloss) is torch.Tensor and all(type(g) is torch.Tensor for g in grads)
+        grads = [g.mul_(dloss) if eager else g * dloss for g in grads]
     return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 8
 
 
