@@ -251,6 +251,9 @@ def _setup_context(ctx, inputs, output):
     input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, *flags = inputs
     _, dinput, dweight, dbias = output
     ctx.mark_non_differentiable(dinput, dweight, dbias)
+    # No zero-filled gradients of those three made for the backward (by
+    # default autograd makes them: one of the weight's size).
+    ctx.set_materialize_grads(False)
     ctx.none = reduction == "none"
     ctx.flags = flags
     ctx.args = (ignore_index, label_smoothing, softcap, *flags)
