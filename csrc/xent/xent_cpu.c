@@ -103,7 +103,9 @@ static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
     for (int64_t j = 0; j < n; j += FO_VL) store_block(dt, out, j, n, (fo_vf){0});
     return;
   }
-  const float g = p->dloss[r * p->g_stride], gs = g * p->smoothing / (float)n, gt = g * (1.f - p->smoothing);
+  /* (no smoothing: no g * 0 term, which an infinite g would make NaN) */
+  const float g = p->dloss[r * p->g_stride], gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
+  const float gt = p->smoothing == 0.f ? g : g * (1.f - p->smoothing);
   const float c = p->softcap, ic = c > 0.f ? 1.f / c : 0.f;
   const char *row = row_at(p, r);
   for (int64_t j = 0; j < n; j += FO_VL) {

@@ -116,7 +116,9 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
     lse = p.lse_in[r];
   }
   if constexpr (BWD) {
-    const float g = p.dloss[r * p.g_stride], gs = g * p.smoothing / (float)p.vocab, gt = g * (1.f - p.smoothing);
+    // (no smoothing: no g * 0 term, which an infinite g would make NaN)
+    const float g = p.dloss[r * p.g_stride], gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
+    const float gt = p.smoothing == 0.f ? g : g * (1.f - p.smoothing);
     const float lse2 = lse * kLog2e, ic = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) {
       float v[VEC];
