@@ -7,6 +7,7 @@ and fusedops + torch.compile. Reports tokens/s, step time and peak memory.
     python -m benchmarks.bench_e2e --quick         # a tiny model: a smoke test (CPU)
     python -m benchmarks.bench_e2e --modes eager,fusedops --steps 20
     python -m benchmarks.bench_e2e --modes fusedops --without attention   # an ablation
+    python -m benchmarks.bench_e2e --vocab 128256 --modes eager,compile,fusedops,liger
 
 The ANCHORS.md configuration: 748 M parameters (12 layers, hidden 2048, 16
 heads, MLP 5632, vocab 32000, untied embeddings), batch 4 x 2048 tokens, bf16
@@ -16,6 +17,15 @@ step is forward + loss, backward, optimizer step, zero_grad; timed per step
 (CUDA events on a GPU) after warm-up steps, which include compilation. Peak
 memory is torch.cuda.max_memory_allocated over warm-up and timed steps
 (parameters, gradients, optimizer state and activations).
+
+The fusedops modes patch the loss too (fusedops.patch's loss=True): the LM
+head computes the loss from the last hidden states without the logits
+(fusedops.functional.linear_cross_entropy); --without loss keeps the logits
+and ForCausalLMLoss. --vocab sets the vocabulary (128256: Llama 3's, where
+the logits are the step's largest tensor). The liger mode (not in the
+default list) applies Liger-Kernel's Llama patches (RMSNorm, SwiGLU, RoPE,
+fused linear cross-entropy) with torch's fused AdamW, where liger_kernel
+imports.
 
 Needs transformers (pip install fusedops[hf]). Not part of `python -m
 benchmarks.run` (whose bench_<op>.py files time one op each): run it on its
@@ -39,6 +49,7 @@ import fusedops  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 MODES = ("eager", "compile", "fusedops", "fusedops+compile")
+OPTIONAL_MODES = ("liger",)  # asked for by name
 WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "loss", "adamw")
 GiB = 1 << 30
 
@@ -61,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, help="sequences per step (default: the configuration's)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the configuration's)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the configuration's)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the configuration's)")
     p.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--without", default="", help="ablation: parts the fusedops modes leave out, of "
                    f"{', '.join(WITHOUT)} (adamw: torch's fused AdamW instead of FusedAdamW)")
@@ -73,9 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
+    bad = [m for m in args.modes if m not in MODES + OPTIONAL_MODES]
     if bad:
-        p.error(f"--modes: unknown {bad}; have {list(MODES)}")
+        p.error(f"--modes: unknown {bad}; have {list(MODES + OPTIONAL_MODES)}")
     args.without = [w.strip() for w in args.without.split(",") if w.strip()]
     bad = [w for w in args.without if w not in WITHOUT]
     if bad:
@@ -98,6 +110,9 @@ def build(cfg, mode, dtype, device, without=(), seed=0, use_cache=True):
     if fused:
         fusedops.patch(model, **{flag: False for flag in without if flag != "adamw"})
         print(f"  {model.fusedops_report}".replace("\n", "\n  "), file=sys.stderr)
+    if mode == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(model=model)
     if fused and "adamw" not in without:
         opt = fusedops.optim.FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     else:
@@ -200,7 +215,8 @@ def main(argv=None):
     gpu = device.type == "cuda"
     quick = args.quick or (not gpu and not args.full)
     cfg = dict(QUICK if quick else ANCHOR)
-    for k, v in (("batch", args.batch), ("seq", args.seq), ("num_hidden_layers", args.layers)):
+    for k, v in (("batch", args.batch), ("seq", args.seq), ("num_hidden_layers", args.layers),
+                 ("vocab_size", args.vocab)):
         if v is not None:
             cfg[k] = v
     dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]

@@ -38,8 +38,33 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // natural-log logsumexp of each row, for the backward). xent_bwd: dlogits =
   // dloss (softmax - onehot(target)) row by row, in logits' dtype, 0 on ignored
   // rows; dloss [rows] fp32, any stride (0: one value for all).
-  m.def("xent_fwd(Tensor logits, Tensor target, int ignore_index) -> (Tensor loss, Tensor lse)");
-  m.def("xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index) -> Tensor");
+  // label_smoothing e mixes the one-hot target with e / classes everywhere;
+  // softcap c > 0 reads every logit x as c tanh(x / c) (Gemma 2's final layer).
+  m.def("xent_fwd(Tensor logits, Tensor target, int ignore_index, float label_smoothing=0.0, "
+        "float softcap=0.0) -> (Tensor loss, Tensor lse)");
+  m.def("xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index, "
+        "float label_smoothing=0.0, float softcap=0.0) -> Tensor");
+  // xent_fwd's loss, and xent_bwd's dlogits (of dloss, [rows] fp32, any
+  // stride) written over logits (unit stride along classes) in the same pass:
+  // the fused linear cross-entropy's step on a chunk of logits.
+  m.def("xent_fwd_bwd_(Tensor(a!) logits, Tensor target, Tensor dloss, int ignore_index, "
+        "float label_smoothing=0.0, float softcap=0.0) -> Tensor loss");
+  // Fused linear cross-entropy: cross_entropy(input @ weight^T + bias, target)
+  // of input [rows, hidden] and weight [classes, hidden] (one dtype: fp32,
+  // fp16 or bf16; bias [classes] or None) without the [rows, classes] logits,
+  // a chunk of rows at a time (fusedops/ops/linear_xent.py: the matmuls are
+  // torch's, the loss and its gradient xent_fwd_bwd_). loss is fp32: [rows]
+  // with reduction "none", else a scalar. With "mean" or "sum" the gradients
+  // of the loss flagged by input_grad / weight_grad / bias_grad come out of
+  // the same pass (empty where not flagged: the backward scales them); with
+  // "none" they are empty, and linear_xent_bwd recomputes the chunks' logits
+  // for the gradient of sum_r dloss_r loss_r.
+  m.def("linear_xent_fwd(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
+        "str reduction, float label_smoothing, float softcap, bool input_grad, bool weight_grad, "
+        "bool bias_grad) -> (Tensor loss, Tensor dinput, Tensor dweight, Tensor dbias)");
+  m.def("linear_xent_bwd(Tensor dloss, Tensor input, Tensor weight, Tensor? bias, Tensor target, "
+        "int ignore_index, float label_smoothing, float softcap, bool input_grad, bool weight_grad, "
+        "bool bias_grad) -> (Tensor dinput, Tensor dweight, Tensor dbias)");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import reference
+from .ops import linear_xent as _linear_xent_ops
 from .ops._common import once_only
 
 _ops = torch.ops.fusedops
@@ -747,21 +748,31 @@ def _xent_gap(logits, target, weight, label_smoothing):
         return "targets that are not int64 class indices"
     if weight is not None:
         return "class weights"
-    if label_smoothing:
-        return "label smoothing"
     if logits.dtype not in _KERNEL_DTYPES:
         return f"{logits.dtype} input"
-    if logits.device.type == "cuda" and not _CUDA_XENT:
+    return _xent_device_gap(logits)
+
+
+def _xent_device_gap(x):
+    """Why the cross-entropy kernels cannot run on x's device (None if they can)."""
+    if x.device.type == "cuda" and not _CUDA_XENT:
         return "no CUDA cross-entropy kernel in this build"
-    if logits.device.type not in ("cpu", "cuda"):
-        return f"{logits.device.type} tensors"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"{x.device.type} tensors"
     return None
 
 
-def _xent_f32(logits, target, ignore_index, reduction, num_items=None):
+def _xent_f32(logits, target, ignore_index, reduction, num_items=None, label_smoothing=0.0):
     """The loss in fp32, reduced as asked; num_items replaces the mean's count
     of non-ignored targets (Hugging Face's num_items_in_batch)."""
-    loss, _ = _ops.xent_fwd(logits, target, ignore_index)
+    loss, _ = _ops.xent_fwd(logits, target, ignore_index, float(label_smoothing))
+    return _reduce(loss, target, ignore_index, reduction, num_items)
+
+
+def _reduce(loss, target, ignore_index, reduction, num_items=None):
+    """Per-row losses reduced as torch's cross_entropy does; num_items
+    replaces the mean's count of non-ignored targets (Hugging Face's
+    num_items_in_batch: the sum divided by it)."""
     if reduction == "none":
         return loss
     total = loss.sum()
@@ -782,6 +793,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     probabilities as targets, other ranks) go to torch's function, with a
     warning the first time. On CUDA a target out of range gives a NaN loss
     (torch's kernel asserts); on the CPU it raises."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"fusedops.functional.cross_entropy: label_smoothing is {label_smoothing}, "
+                         "expected a number in [0, 1]")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"fusedops.functional.cross_entropy: reduction is {reduction!r}, "
                          "expected 'none', 'mean' or 'sum'")
@@ -793,6 +807,73 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                           "kernel; calling torch's", stacklevel=2)
         return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)
-    loss = _xent_f32(input, target, ignore_index, reduction)
+    loss = _xent_f32(input, target, ignore_index, reduction, label_smoothing=label_smoothing)
     # Under autocast torch computes cross_entropy in fp32 and returns that.
+    return loss if autocast_dtype(input.device.type) else loss.to(input.dtype)
+
+
+# --------------------------------------------------------------------------- linear + cross-entropy
+def _linear_xent_gap(input, weight, bias):
+    """Why the fused linear cross-entropy cannot take this call (None if it
+    can): what is not an error but goes to torch's two-step form."""
+    ts = [t for t in (input, weight, bias) if t is not None]
+    if any(t.dtype not in _KERNEL_DTYPES for t in ts):  # (autocast leaves float64 as it is)
+        return f"{', '.join(sorted({str(t.dtype)[6:] for t in ts}))} input"
+    return _xent_device_gap(input)
+
+
+def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                     softcap=0.0, num_items=None):
+    """linear_cross_entropy's loss in fp32 (before the cast to input's dtype),
+    input [..., hidden] and target [...]; num_items as in _reduce (then the
+    kernel sums). Under autocast input, weight and bias in its dtype, as
+    torch's linear takes them."""
+    op = "linear_cross_entropy"
+    if input.dim() < 1 or target.shape != input.shape[:-1]:
+        raise RuntimeError(f"fusedops.{op}: input has shape {list(input.shape)} and target {list(target.shape)}, "
+                           "expected [..., hidden] and [...] (a class index a row of input)")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"fusedops.{op}: reduction is {reduction!r}, expected 'none', 'mean' or 'sum'")
+    x = input.reshape(-1, input.shape[-1])
+    t = target.reshape(-1)
+    if bias is None:
+        x, weight = _lower_precision(x, weight)
+    else:
+        x, weight, bias = _lower_precision(x, weight, bias)
+    _linear_xent_ops.check_args(op, x, weight, bias, t, None, float(label_smoothing), float(softcap))
+    kernel_reduction = "sum" if num_items is not None else reduction
+    grads = [_needs_grad(a) for a in (x, weight)] + [bias is not None and _needs_grad(bias)]
+    loss = _ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction, float(label_smoothing),
+                                float(softcap), *grads)[0]
+    if num_items is not None:
+        loss = _reduce(loss, t, ignore_index, "mean", num_items)
+    return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
+
+
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         softcap=0.0):
+    """cross_entropy(linear(input, weight, bias), target), with softcap > 0
+    the logits first capped to softcap * tanh(logits / softcap) (Gemma 2's
+    final layer), without the [tokens, classes] logits in memory: input
+    [..., hidden], weight [classes, hidden], bias [classes] or None, target
+    [...] int64 class indices; ignore_index, reduction and label_smoothing as
+    torch.nn.functional.cross_entropy's. The loss in input's dtype (fp32
+    under autocast, which also casts input, weight and bias as torch's linear
+    does), as the two-step form gives it.
+
+    A chunk of tokens at a time: its logits, then its loss and their gradient
+    in one pass, then the gradients of input, weight and bias from it, in
+    the forward (docs/linear-cross-entropy.md); the backward scales them.
+    What the kernels do not take (float64, say) runs the two-step form in
+    torch, with a warning the first time. On CUDA a target out of range gives
+    a NaN loss; on the CPU it raises."""
+    gap = _linear_xent_gap(input, weight, bias)
+    if gap is not None:
+        if gap not in _warned and not torch.compiler.is_compiling():
+            _warned.add(gap)
+            warnings.warn(f"fusedops.functional.linear_cross_entropy: {gap} is not supported by fusedops' "
+                          "kernels; calling torch's linear and cross_entropy", stacklevel=2)
+        return reference.linear_cross_entropy(input, weight, target, bias, ignore_index, reduction,
+                                              label_smoothing, softcap)
+    loss = _linear_xent_f32(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
     return loss if autocast_dtype(input.device.type) else loss.to(input.dtype)

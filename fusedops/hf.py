@@ -27,7 +27,10 @@ module's structure:
 
 and, with fusedops.patch(model, loss=True), a causal LM's loss function
 becomes causal_lm_loss: transformers' ForCausalLMLoss on fusedops'
-cross-entropy kernel, without the fp32 copy of the logits.
+cross-entropy kernel, without the fp32 copy of the logits; and the families'
+<Family>ForCausalLM get a forward that, given labels, computes the loss from
+the last hidden states and lm_head's weight without the logits at all
+(fusedops.functional.linear_cross_entropy; the output's logits are None).
 
 fusedops.patch(model) uses them; nothing here needs calling by hand.
 """
@@ -42,6 +45,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import functional as F
@@ -335,6 +339,22 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
                        num_items_in_batch)
 
 
+def causal_lm_linear_loss(hidden_states, weight, bias, labels, num_items_in_batch=None, ignore_index=-100,
+                          shift_labels=None, softcap=0.0, **kwargs):
+    """causal_lm_loss of the logits hidden_states @ weight.T + bias (capped
+    by softcap > 0 first, as Gemma 2's final_logit_softcapping) without the
+    logits: the same targets (labels shifted by one, or shift_labels), the
+    fp32 mean over those that are not ignore_index, or the sum over
+    num_items_in_batch."""
+    if shift_labels is None:
+        target = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        target = shift_labels
+    h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    return F._linear_xent_f32(h, weight, target.reshape(-1).to(h.device), bias, ignore_index, "mean",
+                              softcap=float(softcap or 0.0), num_items=num_items_in_batch)
+
+
 def _computes_loss(model):
     """Whether model computes a loss from its logits: a head (LlamaForCausalLM)
     has output embeddings (lm_head) and does; the base model inside it
@@ -373,6 +393,52 @@ def restore_attention(module):
             module.__dict__.pop("_loss_function", None)
         else:
             module.loss_function = old
+
+
+# --------------------------------------------------------------- the loss without logits
+def _causal_lm_forward(self, *args, **kwargs):
+    """The causal LM head given labels: the base model (self.model) with the
+    arguments of the original forward but labels and logits_to_keep, then
+    causal_lm_linear_loss from its last hidden states and lm_head's weight;
+    the output as the original's with logits None. The original forward
+    where that is not the same computation: no labels, logits_to_keep, a
+    tuple asked for, a loss function other than causal_lm_loss, an lm_head
+    that must be called as a module (an adapter, a hook) or whose weight the
+    kernels do not take (float64, a sharded DTensor)."""
+    kw = {**dict(zip(self._fusedops_arg_names, args)), **kwargs}
+    head = self.lm_head
+    if (kw.get("labels") is None or kw.get("logits_to_keep", 0) not in (0, None)
+            or not kw.get("return_dict", getattr(self.config, "return_dict", True))
+            or self.loss_function is not causal_lm_loss or not plain_linear(head)
+            or type(head.weight) not in (torch.Tensor, torch.nn.Parameter)
+            or F._linear_xent_gap(head.weight, head.weight, head.bias) is not None):
+        return self._fusedops_base.forward(self, *args, **kwargs)
+    labels = kw.pop("labels")
+    kw.pop("logits_to_keep", None)
+    outputs = self.model(**kw)
+    loss = causal_lm_linear_loss(outputs.last_hidden_state, head.weight, head.bias, labels,
+                                 softcap=getattr(self.config, "final_logit_softcapping", None), **kw)
+    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _causal_lm_namespace(cls):
+    params = _forward_params(cls)
+    return {"forward": _causal_lm_forward,
+            "_fusedops_arg_names": [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]}
+
+
+def _make_causal_lm(module):
+    params = _forward_params(type(module))
+    if not {"labels", "logits_to_keep"} <= {p.name for p in params} or params[-1].kind != params[-1].VAR_KEYWORD:
+        return (f"forward{inspect.signature(inspect.unwrap(type(module).forward))}: fusedops' forward takes "
+                "labels, logits_to_keep and **kwargs")
+    why = _children_problem(module, ("model", "lm_head"))
+    if why:
+        return f"loss not fused: {why}"
+    if not isinstance(module.lm_head, torch.nn.Linear):
+        return f"lm_head is a {type(module.lm_head).__name__}, not a torch.nn.Linear"
+    return fused_class(type(module), _causal_lm_namespace(type(module)))
 
 
 # --------------------------------------------------------------- RMSNorm
@@ -838,8 +904,8 @@ def replacements():
             mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
         except ImportError:
             continue
-        norm, mlp, decoder, attn = (getattr(mod, family.prefix + s, None)
-                                    for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention"))
+        norm, mlp, decoder, attn, head = (getattr(mod, family.prefix + s, None)
+                                          for s in ("RMSNorm", "MLP", "DecoderLayer", "Attention", "ForCausalLM"))
         eager = getattr(mod, "eager_attention_forward", None)
         entries = [(norm, "norm", lambda m, f=family: _make_rms_norm(m, f), _norm_namespace(family), ()),
                    (mlp, "swiglu", _make_mlp, _MLP, (JointStorage,))]
@@ -848,6 +914,8 @@ def replacements():
         if attn is not None and eager is not None:
             entries.append((attn, "attention", lambda m, e=eager, f=family: _make_attention(m, e, f),
                             _attention_namespace(attn, eager, family), (JointStorage,)))
+        if head is not None:
+            entries.append((head, "loss", _make_causal_lm, _causal_lm_namespace(head), ()))
         for cls, flag, make, namespace, mixins in entries:
             if cls is not None:
                 table[cls] = Replacement(flag, make)

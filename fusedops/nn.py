@@ -191,4 +191,31 @@ class SwiGLU(JointStorage, torch.nn.Module):
                 f"activation={self.activation!r}")
 
 
-__all__ = ["LayerNorm", "RMSNorm", "SwiGLU"]
+class LinearCrossEntropy(torch.nn.Module):
+    """The loss of a language-model head without its logits: forward(input,
+    weight, target, bias=None) is cross_entropy(input @ weight.T + bias,
+    target) with the settings of torch.nn.CrossEntropyLoss (ignore_index,
+    reduction, label_smoothing) and softcap (> 0: the logits capped to
+    softcap * tanh(logits / softcap) first, as Gemma 2's final layer does).
+    It holds no parameter: pass the head's weight (lm_head.weight), as
+    Liger-Kernel's LigerFusedLinearCrossEntropyLoss takes it.
+    fusedops.functional.linear_cross_entropy does the work."""
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=0.0):
+        super().__init__()
+        if reduction not in ("none", "mean", "sum"):
+            raise ValueError(f"fusedops.nn.LinearCrossEntropy: reduction is {reduction!r}, "
+                             "expected 'none', 'mean' or 'sum'")
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.softcap = label_smoothing, softcap
+
+    def forward(self, input, weight, target, bias=None):
+        return F.linear_cross_entropy(input, weight, target, bias, self.ignore_index, self.reduction,
+                                      self.label_smoothing, self.softcap)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, softcap={self.softcap}")
+
+
+__all__ = ["LayerNorm", "RMSNorm", "SwiGLU", "LinearCrossEntropy"]

@@ -32,7 +32,7 @@ from .nn import hooked
 
 log = logging.getLogger("fusedops")
 
-FLAGS = ("norm", "swiglu", "attention", "fuse_residual")
+FLAGS = ("norm", "swiglu", "attention", "fuse_residual", "loss")
 _ORIGINAL = "_fusedops_original_class"  # in a patched module's __dict__: the class to restore
 _PREFIX = "_fusedops_"                  # every attribute patching adds starts with this
 
@@ -203,7 +203,10 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     before the next layer's input norm (or the final norm) become fused
     add+norm calls. loss: a Hugging Face causal LM's loss (ForCausalLMLoss)
     becomes fusedops.hf.causal_lm_loss, the cross-entropy kernel on the logits
-    in their own dtype.
+    in their own dtype, and the LM heads of those families compute the loss
+    of a forward with labels from the last hidden states and lm_head's weight
+    without the logits (fusedops.functional.linear_cross_entropy; the
+    output's logits are then None).
 
     The report (model.fusedops_report, also logged to the "fusedops" logger)
     lists what is replaced (by this call or an earlier one) and what was not,

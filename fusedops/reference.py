@@ -129,6 +129,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
     return (out, lse) if return_lse else out
 
 
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, softcap=0.0):
+    """cross_entropy(linear(input, weight, bias), target), the logits capped
+    to softcap * tanh(logits / softcap) first when softcap > 0; input [...,
+    hidden], target [...]."""
+    logits = F.linear(input, weight, bias)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, beta1, beta2, eps,
               weight_decay=0.0, decoupled_weight_decay=False, amsgrad=False, maximize=False,
               grad_scale=None):

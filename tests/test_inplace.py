@@ -124,7 +124,12 @@ def _buffer_views(d, dtype=torch.float32):
     return buf[:4], buf[2:8].view(3, 2)
 
 
-OP = {name: rf"fusedops\.{name}: " for name in ("rope_", "glu_bwd_", "glu_packed_bwd_", "adam_step")}
+def xent_args(device):
+    return dict(logits=randn((4, 9), torch.float32, device), target=torch.randint(0, 9, (4,), device=device),
+                dloss=torch.rand(4, device=device), ignore_index=-100, label_smoothing=0.0, softcap=0.0)
+
+
+OP = {name: rf"fusedops\.{name}: " for name in ("rope_", "glu_bwd_", "glu_packed_bwd_", "adam_step", "xent_fwd_bwd_")}
 
 # (op, written argument, what, args(device), override(args, device), message)
 CASES = [
@@ -152,6 +157,10 @@ CASES = [
      OP["glu_packed_bwd_"] + r"dout and gate_up " + SHARE),
     ("glu_packed_bwd_", "gate_up", "expanded", glu_packed_args,
      lambda a, d: dict(gate_up=a["gate_up"][:1].expand(3, 32)), OP["glu_packed_bwd_"] + r"gate_up is not contiguous"),
+    ("xent_fwd_bwd_", "logits", "expanded", xent_args, lambda a, d: dict(logits=a["logits"][:1].expand(4, 9)),
+     OP["xent_fwd_bwd_"] + r"logits has shape \[4, 9\] and strides \[0, 1\], " + OVERLAP),
+    ("xent_fwd_bwd_", "logits", "over_dloss", xent_args, lambda a, d: dict(dloss=a["logits"].view(-1)[5:9]),
+     OP["xent_fwd_bwd_"] + r"logits and dloss " + SHARE),
     ("adam_step", "params", "is_its_exp_avg", adam_args, lambda a, d: dict(exp_avgs=[a["exp_avgs"][0], a["params"][1]]),
      OP["adam_step"] + r"params\[1\] and exp_avgs\[1\] " + SHARE + r" \(params\[1\] is written in place"),
     ("adam_step", "params", "overlap_each_other", adam_args, _two("params", lambda a, d: _buffer_views(d)),

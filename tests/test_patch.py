@@ -171,10 +171,19 @@ def _hf_model(family, dtype=torch.float32, layers=2, **extra):
 
 
 def _hf_run(model, ids, **kw):
+    """(logits, gradients of the loss) of model on ids as their own labels.
+    A head patched with loss=True gives no logits with labels (it never makes
+    them): then its lm_head of its base model's output, outside the head's
+    forward (which a compiled model would otherwise compile again for a
+    call without labels)."""
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids, **kw)
     out.loss.backward()
-    return out.logits.detach(), _grads(model)
+    logits = out.logits
+    if logits is None:
+        with torch.no_grad():
+            logits = model.lm_head(model.model(ids, **kw).last_hidden_state)
+    return logits.detach(), _grads(model)
 
 
 FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3"]
@@ -201,7 +210,7 @@ def test_hf_patched_matches_unpatched(family, dtype, monkeypatch):
         assert new == "Fused" + old
     norms = 2 * 2 + 1 + (2 * 2 if family == "Qwen3" else 0)  # Qwen3 also norms q and k per head
     assert counts == {f"{family}RMSNorm": norms, f"{family}MLP": 2, f"{family}DecoderLayer": 2,
-                      f"{family}Attention": 2}
+                      f"{family}Attention": 2, f"{family}ForCausalLM": 1}
     assert m.fusedops_report.attention == [("", "sdpa", "fusedops")] and not m.fusedops_report.skipped
     assert m.config._attn_implementation == "fusedops"
 
@@ -262,7 +271,7 @@ def test_hf_fused_calls():
 
 def test_hf_without_fuse_residual_and_partial_flags():
     m = fusedops.patch(_hf_model("Llama"), fuse_residual=False, attention=False, swiglu=False)
-    assert {old for _, old, _ in m.fusedops_report.replaced} == {"LlamaRMSNorm"}
+    assert {old for _, old, _ in m.fusedops_report.replaced} == {"LlamaRMSNorm", "LlamaForCausalLM"}
     assert m.config._attn_implementation == "sdpa"
     ref = copy.deepcopy(m)
     fusedops.unpatch(ref)
@@ -276,7 +285,7 @@ def test_hf_fuse_residual_with_unfused_norms():
     m = _hf_model("Llama")
     ref = copy.deepcopy(m)
     fusedops.patch(m, norm=False, swiglu=False, attention=False)
-    assert {old for _, old, _ in m.fusedops_report.replaced} == {"LlamaDecoderLayer"}
+    assert {old for _, old, _ in m.fusedops_report.replaced} == {"LlamaDecoderLayer", "LlamaForCausalLM"}
     ids = torch.randint(0, 96, (2, 11))
     assert torch.equal(m(ids).logits, ref(ids).logits)
 

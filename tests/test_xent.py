@@ -36,24 +36,24 @@ def make(rows, vocab, dtype, device, ignored=0.2, spread=3.0, layout="dense"):
     return x, t
 
 
-def run(fn, x, t, reduction, g, to=None, poison=False):
-    """[loss, dlogits] of fn(logits, target) on a fresh leaf (cast to `to`)."""
+def run(fn, x, t, reduction, g, to=None, poison=False, **kw):
+    """[loss, dlogits] of fn(logits, target, **kw) on a fresh leaf (cast to `to`)."""
     leaf = x.detach().to(to or x.dtype).requires_grad_()
     with maybe_poisoned(x.device, poison):
-        loss = fn(leaf, t, ignore_index=IGNORE, reduction=reduction)
+        loss = fn(leaf, t, ignore_index=IGNORE, reduction=reduction, **kw)
     with maybe_poisoned(x.device, poison):
         loss.backward(g.to(loss.dtype))
     return [loss, leaf.grad]
 
 
-def check(x, t, reduction, what):
+def check(x, t, reduction, what, **kw):
     g = torch.randn(x.shape[0], device=x.device) if reduction == "none" else torch.tensor(1.7, device=x.device)
     args = dict(x=x, t=t)
     before = snapshot(args)
-    got = run(FF.cross_entropy, x, t, reduction, g, poison=True)
+    got = run(FF.cross_entropy, x, t, reduction, g, poison=True, **kw)
     assert_unchanged(args, before, f"{what}: ")
-    want = run(TF.cross_entropy, x, t, reduction, g, to=torch.float64)
-    eager = run(TF.cross_entropy, x, t, reduction, g)
+    want = run(TF.cross_entropy, x, t, reduction, g, to=torch.float64, **kw)
+    eager = run(TF.cross_entropy, x, t, reduction, g, **kw)
     for name, a, w, e in zip(["loss", "dlogits"], got, want, eager):
         assert a.dtype == x.dtype, f"{what} {name}: dtype {a.dtype}, expected {x.dtype}"
         assert_close_2x(a, w, e, f"{what} {name}",
@@ -69,6 +69,14 @@ SHAPES = [(1, 1), (3, 2), (7, 33), (64, 1000), (5, 32000), (9, 50257), (300, 128
 def test_values(device, shape, dtype, reduction):
     x, t = make(*shape, dtype, device)
     check(x, t, reduction, f"{shape} {dtype} {reduction}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", LOWP, ids=dtype_id)
+def test_label_smoothing(device, dtype, reduction):
+    """Through the kernel (it mixes e / classes into every target)."""
+    x, t = make(37, 1003, dtype, device)
+    check(x, t, reduction, f"label smoothing {dtype} {reduction}", label_smoothing=0.15)
 
 
 @pytest.mark.parametrize("layout", ["slice", "transposed"])

@@ -2,10 +2,22 @@
  * language model): the C interface between the kernels (xent_cpu.c,
  * xent_cuda.cu) and the registration shim (xent_ops.cpp).
  *
- *   forward:  lse_i = log sum_j exp(x_ij),  loss_i = lse_i - x_i,t_i
+ * With softcap c > 0 the loss sees z = c tanh(x / c) (Gemma 2's final
+ * layer), else z = x; with label smoothing e the target is the mix
+ * (1 - e) onehot(t) + e / V:
+ *
+ *   forward:  lse_i = log sum_j exp(z_ij),
+ *             loss_i = lse_i - (1 - e) z_i,t_i - (e / V) sum_j z_ij
  *             (0 where t_i is ignore_index)
- *   backward: dx_ij = g_i (exp(x_ij - lse_i) - [j = t_i])
+ *   gradient: dx_ij = g_i (exp(z_ij - lse_i) - e / V - (1 - e) [j = t_i]) dz_ij/dx_ij,
+ *             dz/dx = 1 - (z / c)^2 with a softcap, else 1
  *             (0 on a row whose target is ignore_index)
+ *
+ * Three passes of one family (a row at a time, the same row functions):
+ * the forward (loss and lse), the backward (the gradient from a saved lse)
+ * and both at once, the gradient written over the logits as soon as the
+ * row's loss is known (fused linear cross-entropy: only a chunk's logits
+ * exist, and they are gone once its gradient is there).
  *
  * x is [rows, vocab] in its own dtype, unit stride along vocab, read once by
  * each pass; the row sums run in fp32 as an online max and sum of
@@ -27,11 +39,14 @@ typedef struct fo_xent_params {
   const int64_t *target;  /* [rows], stride t_stride */
   int64_t t_stride;
   int64_t ignore_index;
-  float *loss, *lse;      /* forward: [rows] fp32, dense */
-  const float *dloss;     /* backward: [rows] fp32, stride g_stride (0: one value for all rows) */
+  float smoothing;        /* label smoothing e in [0, 1] */
+  float softcap;          /* c > 0, or 0: none */
+  float *loss, *lse;      /* forward: [rows] fp32, dense (lse may be NULL with dlogits) */
+  const float *dloss;     /* gradient: [rows] fp32, stride g_stride (0: one value for all rows) */
   int64_t g_stride;
-  const float *lse_in;    /* backward: the forward's lse, dense */
-  void *dlogits;          /* backward: [rows, vocab] dtype, dense */
+  const float *lse_in;    /* backward: the forward's lse, dense; NULL: computed in the pass */
+  void *dlogits;          /* gradient: [rows, vocab] dtype, row stride d_stride; may be logits */
+  int64_t d_stride;
   fo_dtype dtype;
 } fo_xent_params;
 
@@ -42,14 +57,24 @@ FO_HD int64_t fo_xent_class(const fo_xent_params *p, int64_t r) {
   return t >= 0 && t < p->vocab ? t : p->vocab;
 }
 
-/* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always. */
+/* The row's loss from its lse, the target's z and the sum of its z. */
+FO_HD float fo_xent_loss(const fo_xent_params *p, float lse, float zt, float zsum) {
+  return p->smoothing == 0.f ? lse - zt
+                             : lse - (1.f - p->smoothing) * zt - p->smoothing / (float)p->vocab * zsum;
+}
+
+/* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always.
+ * fwd: loss and lse. bwd: dlogits from lse_in. fwd_bwd: loss (and lse if
+ * given) and dlogits in one pass over each row (dlogits may be logits). */
 const char *fo_xent_fwd_cpu(const fo_xent_params *p);
 const char *fo_xent_bwd_cpu(const fo_xent_params *p);
+const char *fo_xent_fwd_bwd_cpu(const fo_xent_params *p);
 
 /* CUDA (xent_cuda.cu): a block a row. Launch on `stream` (a cudaStream_t);
  * NULL on success or a static message naming the CUDA error. */
 const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream);
 const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream);
+const char *fo_xent_fwd_bwd_cuda(const fo_xent_params *p, void *stream);
 
 #ifdef __cplusplus
 }

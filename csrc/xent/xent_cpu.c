@@ -1,8 +1,10 @@
-/* Cross-entropy on the CPU: OpenMP over rows, each row read in blocks of
- * FO_VL values straight from the logits (widened in registers, never copied):
- * the forward in two passes (the max and a NaN test, then the sum of
- * exponentials in FO_VL partial sums), the backward in one. Deterministic:
- * a row's sums have one order whatever the thread count. */
+/* Cross-entropy on the CPU (math and layout: xent.h): OpenMP over rows, each
+ * row read in blocks of FO_VL values straight from the logits (widened and
+ * soft-capped in registers, never copied). The forward takes two passes (the
+ * max and a NaN test, then the sum of exponentials and of the logits in
+ * FO_VL partial sums), the backward one, the fused pass all three on a row
+ * that is still in cache. Deterministic: a row's sums have one order whatever
+ * the thread count. */
 #include <math.h>
 
 #include "xent.h"
@@ -13,25 +15,38 @@ static const char *row_at(const fo_xent_params *p, int64_t r) {
   return (const char *)p->logits + (size_t)(r * p->x_stride) * (size_t)fo_dtype_size(p->dtype);
 }
 
-/* The row's block at column j (lanes past the row: `pad`). */
-FO_INLINE fo_vf block_at(fo_dtype t, const char *row, int64_t j, int64_t n, float pad) {
+/* z of the row's block at column j (lanes past the row: `pad`). */
+FO_INLINE fo_vf block_at(const fo_xent_params *p, const char *row, int64_t j, float pad) {
+  const fo_dtype t = p->dtype;
+  const int64_t n = p->vocab;
   const int es = fo_dtype_size(t);
-  if (j + FO_VL <= n) return fo_vload(t, row + j * es);
-  const fo_vf v = fo_vload_n(t, row + j * es, (int)(n - j));
+  const int full = j + FO_VL <= n;
+  fo_vf v = full ? fo_vload(t, row + j * es) : fo_vload_n(t, row + j * es, (int)(n - j));
+  if (p->softcap > 0.f) v = p->softcap * fo_vtanhf(v * (1.f / p->softcap));
+  if (full) return v;
   return fo_vselect((fo_vi)fo_mask_first((int)(n - j)), v, (fo_vf){0} + pad); /* lane k: column j + k */
 }
 
-/* log sum exp of row r: the max first (a vector select: a scalar
- * x > m ? x : m loop does not vectorise, it is not a max for NaN), then the
- * exponentials summed in FO_VL partial sums (a running sum over 32000
- * classes loses ~10x torch's accuracy). A NaN or a +inf anywhere gives NaN,
- * all -inf gives -inf: the row's loss is then NaN, as torch's (its
- * log_softmax subtracts an infinite max). */
-FO_INLINE float row_lse(fo_dtype t, const char *row, int64_t n) {
+/* z of column j alone. */
+static float z_at(const fo_xent_params *p, const char *row, int64_t j) {
+  float x;
+  fo_load_row(p->dtype, row + j * fo_dtype_size(p->dtype), &x, 1);
+  if (p->softcap > 0.f) x = (p->softcap * fo_vtanhf((fo_vf){0} + x * (1.f / p->softcap)))[0];
+  return x;
+}
+
+/* log sum exp of row r's z (and, in *zsum, the sum of its z): the max first
+ * (a vector select: a scalar x > m ? x : m loop does not vectorise, it is not
+ * a max for NaN), then the exponentials summed in FO_VL partial sums (a
+ * running sum over 32000 classes loses ~10x torch's accuracy). A NaN or a
+ * +inf anywhere gives NaN, all -inf gives -inf: the row's loss is then NaN,
+ * as torch's (its log_softmax subtracts an infinite max). */
+FO_INLINE float row_lse(const fo_xent_params *p, const char *row, float *zsum) {
+  const int64_t n = p->vocab;
   fo_vf mv = (fo_vf){0} - INFINITY;
   fo_vi nan = {0};
   for (int64_t j = 0; j < n; j += FO_VL) {
-    const fo_vf v = block_at(t, row, j, n, -INFINITY);
+    const fo_vf v = block_at(p, row, j, -INFINITY);
     mv = fo_vselect(v > mv, v, mv);
     nan |= v != v;
   }
@@ -42,43 +57,63 @@ FO_INLINE float row_lse(fo_dtype t, const char *row, int64_t n) {
     m = c > m ? c : m;
     any_nan |= nan[k];
   }
+  *zsum = NAN;
   if (any_nan || m == INFINITY) return NAN;
   if (m == -INFINITY) return m;
-  fo_vf s = {0};
-  for (int64_t j = 0; j < n; j += FO_VL) s += fo_vexpf(block_at(t, row, j, n, -INFINITY) - m);
-  float sum = 0.0f;
-  for (int k = 0; k < FO_VL; ++k) sum += s[k];
+  fo_vf s = {0}, zs = {0};
+  for (int64_t j = 0; j < n; j += FO_VL) {
+    const fo_vf v = block_at(p, row, j, -INFINITY);
+    s += fo_vexpf(v - m);
+    /* a -inf logit makes the smoothed loss +inf, as torch's; the pad adds 0 */
+    if (p->smoothing != 0.f) zs += j + FO_VL <= n ? v : fo_vselect((fo_vi)fo_mask_first((int)(n - j)), v, (fo_vf){0});
+  }
+  float sum = 0.0f, z = 0.0f;
+  for (int k = 0; k < FO_VL; ++k) {
+    sum += s[k];
+    z += zs[k];
+  }
+  *zsum = z;
   return m + logf(sum);
 }
 
-/* Row r: loss and lse. */
-static void fwd_row(const fo_xent_params *p, int64_t r) {
+/* Row r: loss (and lse where asked for); its lse returned. */
+static float fwd_row(const fo_xent_params *p, int64_t r) {
   const char *row = row_at(p, r);
   const int64_t t = fo_xent_class(p, r);
-  const float lse = row_lse(p->dtype, row, p->vocab);
-  p->lse[r] = lse;
-  if (t < 0) {
-    p->loss[r] = 0.0f;
-  } else {
-    float xt = NAN;
-    if (t < p->vocab) fo_load_row(p->dtype, row + t * fo_dtype_size(p->dtype), &xt, 1);
-    p->loss[r] = lse - xt;
-  }
+  float zsum;
+  const float lse = row_lse(p, row, &zsum);
+  if (p->lse) p->lse[r] = lse;
+  p->loss[r] = t < 0 ? 0.0f : t < p->vocab ? fo_xent_loss(p, lse, z_at(p, row, t), zsum) : NAN;
+  return lse;
 }
 
-/* Row r of dlogits: g (exp(x - lse) - [j = t]). */
-static void bwd_row(const fo_xent_params *p, int64_t r) {
+FO_INLINE void store_block(fo_dtype dt, char *out, int64_t j, int64_t n, fo_vf d) {
+  const int es = fo_dtype_size(dt);
+  if (j + FO_VL <= n) fo_vstore(dt, out + j * es, d);
+  else fo_vstore_n(dt, out + j * es, d, (int)(n - j));
+}
+
+/* Row r of dlogits from the row's lse: g (exp(z - lse) - e/V - (1 - e) [j = t]) dz/dx. */
+static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
   const fo_dtype dt = p->dtype;
   const int es = fo_dtype_size(dt);
   const int64_t n = p->vocab, t = fo_xent_class(p, r);
-  const float g = t < 0 ? 0.0f : p->dloss[r * p->g_stride], lse = p->lse_in[r];
+  char *out = (char *)p->dlogits + (size_t)(r * p->d_stride) * (size_t)es;
+  if (t < 0) {  /* ignored: no gradient, nothing to read */
+    for (int64_t j = 0; j < n; j += FO_VL) store_block(dt, out, j, n, (fo_vf){0});
+    return;
+  }
+  /* (no smoothing: no g * 0 term, which an infinite g would make NaN) */
+  const float g = p->dloss[r * p->g_stride], gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
+  const float gt = p->smoothing == 0.f ? g : g * (1.f - p->smoothing);
+  const float c = p->softcap, ic = c > 0.f ? 1.f / c : 0.f;
   const char *row = row_at(p, r);
-  char *out = (char *)p->dlogits + (size_t)(r * n) * (size_t)es;
   for (int64_t j = 0; j < n; j += FO_VL) {
-    fo_vf d = g * fo_vexpf(block_at(dt, row, j, n, 0.0f) - lse);
-    if (t >= j && t < j + FO_VL) d[t - j] -= g;
-    if (j + FO_VL <= n) fo_vstore(dt, out + j * es, d);
-    else fo_vstore_n(dt, out + j * es, d, (int)(n - j));
+    const fo_vf z = block_at(p, row, j, 0.0f);
+    fo_vf d = g * fo_vexpf(z - lse) - gs;
+    if (t >= j && t < j + FO_VL) d[t - j] -= gt;
+    if (c > 0.f) d *= 1.f - (z * ic) * (z * ic);
+    store_block(dt, out, j, n, d);
   }
 }
 
@@ -91,7 +126,24 @@ FO_ENTRY(const char *, fo_xent_fwd_cpu, (const fo_xent_params *p), (p))
 
 const char *FO_FN(fo_xent_bwd_cpu)(const fo_xent_params *p) {
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
-  for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r);
+  for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, p->lse_in[r]);
   return NULL;
 }
 FO_ENTRY(const char *, fo_xent_bwd_cpu, (const fo_xent_params *p), (p))
+
+/* An ignored row is zeroed without its lse (its loss is 0 and its gradient
+ * 0 whatever its logits). */
+const char *FO_FN(fo_xent_fwd_bwd_cpu)(const fo_xent_params *p) {
+#pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
+  for (int64_t r = 0; r < p->rows; ++r) {
+    if (fo_xent_class(p, r) < 0) {
+      p->loss[r] = 0.0f;
+      if (p->lse) p->lse[r] = NAN;
+      bwd_row(p, r, 0.0f);
+    } else {
+      bwd_row(p, r, fwd_row(p, r));
+    }
+  }
+  return NULL;
+}
+FO_ENTRY(const char *, fo_xent_fwd_bwd_cpu, (const fo_xent_params *p), (p))

@@ -1,5 +1,5 @@
-// Registration shim for fusedops::xent_fwd / xent_bwd: checks the arguments,
-// allocates outputs, fills the C params struct, calls the kernel.
+// Registration shim for fusedops::xent_fwd / xent_bwd / xent_fwd_bwd_: checks
+// the arguments, allocates outputs, fills the C params struct, calls the kernel.
 #include "../common/shim.h"
 #include "xent.h"
 
@@ -10,7 +10,8 @@ namespace {
 
 // logits [rows, vocab] (unit stride along vocab, else a contiguous copy) and
 // target [rows] int64 on its device.
-fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target, int64_t ignore_index) {
+fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target, int64_t ignore_index,
+                           double label_smoothing, double softcap) {
   STD_TORCH_CHECK(logits.dim() == 2, op, ": logits has shape ", shape_str(logits),
                   ", expected [rows, classes]");
   STD_TORCH_CHECK(logits.size(1) >= 1, op, ": logits has shape ", shape_str(logits),
@@ -30,6 +31,12 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
   p.target = static_cast<const int64_t *>(target.data_ptr());
   p.t_stride = target.stride(0);
   p.ignore_index = ignore_index;
+  STD_TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing is ", label_smoothing,
+                  ", expected a number in [0, 1]");
+  STD_TORCH_CHECK(softcap >= 0.0 && softcap < INFINITY, op, ": softcap is ", softcap,
+                  ", expected a finite number > 0, or 0 for none");
+  p.smoothing = static_cast<float>(label_smoothing);
+  p.softcap = static_cast<float>(softcap);
   // On the CPU the targets can be read here: one out of range is an error
   // (on a GPU that needs a sync; the kernel writes NaN loss there instead).
   if (logits.is_cpu()) {
@@ -40,9 +47,10 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
   return p;
 }
 
-std::tuple<Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore_index) {
+std::tuple<Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore_index, double label_smoothing,
+                                    double softcap) {
   const char *op = "fusedops.xent_fwd";
-  fo_xent_params p = xent_params(op, logits, target, ignore_index);
+  fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
   Tensor loss = empty_1d(logits, p.rows, ScalarType::Float, op, "loss");
   Tensor lse = empty_1d(logits, p.rows, ScalarType::Float, op, "lse");
   p.loss = static_cast<float *>(loss.data_ptr());
@@ -53,26 +61,55 @@ std::tuple<Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore
   return {loss, lse};
 }
 
-Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t ignore_index) {
+// A [rows] fp32 argument (a value a row of logits) on logits' device.
+void check_row_values(const char *op, const char *arg, const Tensor &t, const Tensor &logits, int64_t rows) {
+  check_same_device(op, arg, t, logits, "logits");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, op, ": ", arg, " has dtype ", dtype_name(t.scalar_type()),
+                  ", expected float32");
+  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, op, ": ", arg, " has shape ", shape_str(t), ", expected [",
+                  rows, "] (a value a row of logits)");
+}
+
+Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t ignore_index, double label_smoothing,
+                double softcap) {
   const char *op = "fusedops.xent_bwd";
-  fo_xent_params p = xent_params(op, logits, target, ignore_index);
-  for (auto [arg, t] : {std::pair<const char *, const Tensor *>{"dloss", &dloss}, {"lse", &lse}}) {
-    check_same_device(op, arg, *t, logits, "logits");
-    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float, op, ": ", arg, " has dtype ",
-                    dtype_name(t->scalar_type()), ", expected float32");
-    STD_TORCH_CHECK(t->dim() == 1 && t->size(0) == p.rows, op, ": ", arg, " has shape ", shape_str(*t),
-                    ", expected [", p.rows, "] (a value a row of logits)");
-  }
+  fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
+  check_row_values(op, "dloss", dloss, logits, p.rows);
+  check_row_values(op, "lse", lse, logits, p.rows);
   lse = unit_last(lse, op, "lse");
   Tensor dlogits = new_output(logits, {p.rows, p.vocab}, logits.scalar_type(), op, "dlogits");
   p.dloss = static_cast<const float *>(dloss.data_ptr());
   p.g_stride = dloss.stride(0);
   p.lse_in = static_cast<const float *>(lse.data_ptr());
   p.dlogits = dlogits.data_ptr();
+  p.d_stride = p.vocab;
   if (p.rows > 0)
     run_kernel(op, "logits", logits, [&] { return fo_xent_bwd_cpu(&p); },
                [&](void *stream) { return fo_xent_bwd_cuda(&p, stream); });
   return dlogits;
+}
+
+// The loss of each row, and the gradient of sum_r dloss_r loss_r written over
+// the logits (xent.h's fused pass).
+Tensor xent_fwd_bwd_(Tensor logits, Tensor target, Tensor dloss, int64_t ignore_index, double label_smoothing,
+                     double softcap) {
+  const char *op = "fusedops.xent_fwd_bwd_";
+  STD_TORCH_CHECK(logits.dim() != 2 || is_unit_last(logits), op, ": logits has strides ", strides_str(logits),
+                  ", expected unit stride along classes (the gradient is written over it)");
+  Tensor written = logits;
+  fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
+  check_row_values(op, "dloss", dloss, logits, p.rows);
+  check_no_aliasing(op, {{"logits", -1, &written, true}, {"target", -1, &target, false}, {"dloss", -1, &dloss, false}});
+  Tensor loss = empty_1d(logits, p.rows, ScalarType::Float, op, "loss");
+  p.loss = static_cast<float *>(loss.data_ptr());
+  p.dloss = static_cast<const float *>(dloss.data_ptr());
+  p.g_stride = dloss.stride(0);
+  p.dlogits = logits.data_ptr();
+  p.d_stride = p.x_stride;
+  if (p.rows > 0)
+    run_kernel(op, "logits", logits, [&] { return fo_xent_fwd_bwd_cpu(&p); },
+               [&](void *stream) { return fo_xent_fwd_bwd_cuda(&p, stream); });
+  return loss;
 }
 
 }  // namespace
@@ -81,11 +118,13 @@ Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t 
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("xent_fwd", TORCH_BOX(&fusedops::xent_fwd));
   m.impl("xent_bwd", TORCH_BOX(&fusedops::xent_bwd));
+  m.impl("xent_fwd_bwd_", TORCH_BOX(&fusedops::xent_fwd_bwd_));
 }
 
 #ifdef FUSEDOPS_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("xent_fwd", TORCH_BOX(&fusedops::xent_fwd));
   m.impl("xent_bwd", TORCH_BOX(&fusedops::xent_bwd));
+  m.impl("xent_fwd_bwd_", TORCH_BOX(&fusedops::xent_fwd_bwd_));
 }
 #endif

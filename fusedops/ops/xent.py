@@ -1,8 +1,10 @@
 """Fake kernels and autograd for fusedops::xent_fwd / xent_bwd (cross-entropy).
 
 Schemas (csrc/library.cpp):
-  xent_fwd(logits, target, ignore_index) -> (loss, lse)
-  xent_bwd(dloss, logits, target, lse, ignore_index) -> dlogits
+  xent_fwd(logits, target, ignore_index, label_smoothing=0, softcap=0) -> (loss, lse)
+  xent_bwd(dloss, logits, target, lse, ignore_index, label_smoothing=0, softcap=0) -> dlogits
+  xent_fwd_bwd_(logits!, target, dloss, ignore_index, label_smoothing=0, softcap=0) -> loss
+      # xent_bwd's dlogits written over the logits (fusedops/ops/linear_xent.py)
 
 logits [rows, classes] (fp32, fp16 or bf16), target [rows] int64; loss and lse
 are fp32 [rows]. The backward reads the saved logits and lse again: nothing of
@@ -10,26 +12,32 @@ the size of the logits is kept beyond the logits themselves. lse takes no
 gradient; target none either."""
 import torch
 
-from ._common import check_one_device, no_double_backward, register_autograd
+from ._common import check_one_device, no_double_backward, register_autograd, register_mutating
 
 _ops = torch.ops.fusedops
 
 
 @torch.library.register_fake("fusedops::xent_fwd")
-def _xent_fwd_fake(logits, target, ignore_index):
+def _xent_fwd_fake(logits, target, ignore_index, label_smoothing=0.0, softcap=0.0):
     check_one_device("xent_fwd", logits=logits, target=target)
     rows = logits.shape[0]
     return logits.new_empty((rows,), dtype=torch.float32), logits.new_empty((rows,), dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedops::xent_bwd")
-def _xent_bwd_fake(dloss, logits, target, lse, ignore_index):
+def _xent_bwd_fake(dloss, logits, target, lse, ignore_index, label_smoothing=0.0, softcap=0.0):
     check_one_device("xent_bwd", dloss=dloss, logits=logits, target=target, lse=lse)
     return logits.new_empty(logits.shape)
 
 
+@torch.library.register_fake("fusedops::xent_fwd_bwd_")
+def _xent_fwd_bwd_fake(logits, target, dloss, ignore_index, label_smoothing=0.0, softcap=0.0):
+    check_one_device("xent_fwd_bwd_", logits=logits, target=target, dloss=dloss)
+    return logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
-    logits, target, ctx.ignore_index = inputs
+    logits, target, *ctx.args = inputs  # ignore_index, label_smoothing, softcap
     _, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(logits, target, lse)
@@ -38,9 +46,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dloss, dlse):
     logits, target, lse = ctx.saved_tensors
     if dloss is None or not ctx.needs_input_grad[0]:
-        return None, None, None
-    return _ops.xent_bwd(dloss, logits, target, lse, ctx.ignore_index), None, None
+        return None, None, None, None, None
+    return _ops.xent_bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
 
 
 register_autograd("xent_fwd", _backward, _setup_context)
 no_double_backward("xent_bwd")
+register_mutating("xent_fwd_bwd_")
