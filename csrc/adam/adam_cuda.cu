@@ -15,7 +15,7 @@
  *                the tensor table, so it finds each tile's tensor in O(1) and
  *                recomputes the per-tensor scalars (bias corrections from the
  *                step count on the device, lr from the device when given) only
- *                when the tensor changes. Each thread updates kPerThread
+ *                when the tensor changes. Each thread updates per_thread()
  *                elements a tile, all loads issued before any store, with
  *                16-byte accesses (fp32 arrays of a 16-bit group as 32-byte
  *                packs); tensors whose pointers are not all 16-byte aligned,
@@ -40,8 +40,7 @@ using namespace fo;
 
 constexpr int kMaxTensors = 56;
 constexpr int kThreads = 256;
-// Elements a thread updates per tile: 16 (FUSEDOPS_ADAM_PER_THREAD=8 or 32,
-// a tuning switch, picks another).
+// Elements a thread updates per tile by default (per_thread picks).
 constexpr int kPerThread = 16;
 
 struct Table {
@@ -153,28 +152,30 @@ __global__ void adam_count(const Table t, const float *found_inf) {
 
 using Kernel = void (*)(const Table, const fo_adam_params);
 
-int per_thread() {
-  static const int v = [] {
+// Elements a thread updates a tile: 32 for fp32 params on SMs of more
+// bandwidth (bandwidth_rich_sms: more bytes in flight a thread), else 16.
+// FUSEDOPS_ADAM_PER_THREAD=8, 16 or 32 overrides, for tuning.
+int per_thread(bool f32, int device) {
+  static const int forced = [] {
     const char *e = getenv("FUSEDOPS_ADAM_PER_THREAD");
     const int n = e ? atoi(e) : 0;
-    return n == 8 || n == 32 ? n : kPerThread;
+    return n == 8 || n == 16 || n == 32 ? n : 0;
   }();
-  return v;
+  return forced ? forced : f32 && bandwidth_rich_sms(device) ? 32 : kPerThread;
 }
 
-// How blocks take tiles. fp32 params (no master copy): one block a tile, the
-// hardware handing tiles out in order as blocks finish (H100, 1.21 B params:
-// 0.98 of the copy, against 0.94 on the persistent grid; why is not
-// established). Other groups: the persistent grid, since one
-// block a tile repeats a block's table walk and coefficients every 4,096
-// elements (bf16 0.57, master 0.91 against 0.95 / 0.93). FUSEDOPS_ADAM_GRID=
-// tiles or persistent overrides, for tuning.
-bool block_per_tile(bool f32) {
+// How blocks take tiles. fp32 params (no master copy) on an H100-like GPU:
+// one block a tile, the hardware handing tiles out in order as blocks
+// finish. Everything else: the persistent grid, since one block a tile
+// repeats a block's table walk and coefficients every tile, and on SMs of
+// more bandwidth fp32 gains from it too (docs/perf-notes.md has the
+// figures). FUSEDOPS_ADAM_GRID=tiles or persistent overrides, for tuning.
+bool block_per_tile(bool f32, int device) {
   static const int v = [] {
     const char *e = getenv("FUSEDOPS_ADAM_GRID");
     return !e ? -1 : e[0] == 't' ? 1 : 0;
   }();
-  return v < 0 ? f32 : v == 1;
+  return v < 0 ? f32 && !bandwidth_rich_sms(device) : v == 1;
 }
 
 template <int PER>
@@ -193,14 +194,15 @@ Kernel pick_per(fo_dtype param, fo_dtype state, bool master) {
 extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const bool master = a->masters != nullptr;
-  const int per = per_thread();
+  const bool f32 = a->param_dtype == FO_F32 && !master;
+  const int device = current_device();
+  const int per = per_thread(f32, device);
   const int64_t tile_elems = (int64_t)kThreads * per;
   const Kernel kernel = per == 8    ? pick_per<8>(a->param_dtype, a->state_dtype, master)
                         : per == 32 ? pick_per<32>(a->param_dtype, a->state_dtype, master)
                                     : pick_per<kPerThread>(a->param_dtype, a->state_dtype, master);
-  const int64_t grid_cap = block_per_tile(a->param_dtype == FO_F32 && !master)
-                               ? INT32_MAX
-                               : sm_count(current_device()) * blocks_per_sm(kernel, kThreads, 0);
+  const int64_t grid_cap = block_per_tile(f32, device) ? INT32_MAX
+                                                       : sm_count(device) * blocks_per_sm(kernel, kThreads, 0);
   for (int64_t i0 = 0; i0 < a->ntensors; i0 += kMaxTensors) {
     Table t{};
     t.n = (int)(a->ntensors - i0 < kMaxTensors ? a->ntensors - i0 : kMaxTensors);

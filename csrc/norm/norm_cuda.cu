@@ -2114,11 +2114,8 @@ bool shift_early(int nv) {
   return on && nv == 1;
 }
 
-// Whether the device's SMs have more memory bandwidth each than an H100's
-// (25 GB/s an SM): over 30, as an H200's (36). The plans that differ there
-// (launch_park, narrow_block_rows, ln_sixteen) key on this one test; no GPU
-// between the two was measured, so 30 is a guess between two points.
-bool bandwidth_rich_sms(int device) { return mem_gbps_per_sm(device) > 30; }
+// The plans that differ between an H100 and an H200 (launch_park,
+// narrow_block_rows, ln_sixteen) key on bandwidth_rich_sms (cuda_utils.cuh).
 
 // When fwd_park runs: 1 (the default) where launch_park's rule says, 0 never
 // (fwd_regs' 1024-thread teams and fwd_pipe run its rows), 2 on every row it
