@@ -433,9 +433,9 @@ def _make_causal_lm(module):
     if not {"labels", "logits_to_keep"} <= {p.name for p in params} or params[-1].kind != params[-1].VAR_KEYWORD:
         return (f"forward{inspect.signature(inspect.unwrap(type(module).forward))}: fusedops' forward takes "
                 "labels, logits_to_keep and **kwargs")
-    why = _children_problem(module, ("model", "lm_head"))
-    if why:
-        return f"loss not fused: {why}"
+    have = sorted(n for n, _ in module.named_children())
+    if have != ["lm_head", "model"]:
+        return f"loss not fused: submodules {have}; fusedops' forward calls ['lm_head', 'model']"
     if not isinstance(module.lm_head, torch.nn.Linear):
         return f"lm_head is a {type(module.lm_head).__name__}, not a torch.nn.Linear"
     return fused_class(type(module), _causal_lm_namespace(type(module)))

@@ -233,8 +233,10 @@ def test_cpu_bf16_without_dot_tiles(c):
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (4, 4)), (True, (9, 0))],
                          ids=["causal", "window", "causal-window"])
 def test_varlen_matches_padded(device, causal, window):
-    """Equal-length sequences packed give bitwise what the padded batch gives
-    (for sq = sk the two alignments agree)."""
+    """Equal-length sequences packed give what the padded batch gives (for sq
+    = sk the two alignments agree): bitwise where one kernel runs both (the
+    CPU; windows on CUDA), else (CUDA's plain causal call, which has kernels
+    of its own) within the bf16 rounding of one result."""
     c = replace(VBASE, lq=(100, 100, 100), causal=causal, window=window)
     skip_unless_supported(c, device)
     q, k, v, dout, cu_q, cu_k = varlen_inputs(c, device)
@@ -243,7 +245,11 @@ def test_varlen_matches_padded(device, causal, window):
     padded = run_padded("fused", pc, *(t.view(3, 100, *t.shape[1:]) for t in (q, k, v, dout)))
     for n in NAMES:
         want = padded[n].transpose(0, 1).reshape(c.Hq, 300) if n == "lse" else padded[n].flatten(0, 1)
-        assert torch.equal(bits(packed[n]), bits(want)), f"{c} {n}"
+        if device == "cpu" or window != (-1, -1):
+            assert torch.equal(bits(packed[n]), bits(want)), f"{c} {n}"
+        else:
+            torch.testing.assert_close(packed[n], want, rtol=1.6e-2, atol=1.6e-2 * want.abs().max().item(),
+                                       msg=f"{c} {n}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
