@@ -173,15 +173,19 @@ def _hf_model(family, dtype=torch.float32, layers=2, **extra):
 def _hf_run(model, ids, **kw):
     """(logits, gradients of the loss) of model on ids as their own labels.
     A head patched with loss=True gives no logits with labels (it never makes
-    them): then the model's logits from a call without labels (the head's own
-    forward, final soft-capping included)."""
+    them): then its lm_head of its base model's output, soft-capped where the
+    config says (Gemma 2), outside the head's forward (which a compiled model
+    would otherwise compile again for a call without labels)."""
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids, **kw)
     out.loss.backward()
     logits = out.logits
     if logits is None:
         with torch.no_grad():
-            logits = model(ids, **kw).logits
+            logits = model.lm_head(model.model(ids, **kw).last_hidden_state)
+            cap = getattr(model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
     return logits.detach(), _grads(model)
 
 
