@@ -2,7 +2,7 @@
 so small that the kernels take no time: what a call costs the Python thread
 (argument handling, the dispatcher, the stable-ABI boxed call, autograd).
 
-    python tools/host_overhead.py [--device cuda] [--rounds 5] [--calls 3000]
+    python tools/ci/host_overhead.py [--device cuda] [--rounds 5] [--calls 3000]
 
 Each figure is the best of --rounds loops of --calls calls, in microseconds a
 call; fwd+bwd is the forward, then torch.autograd.backward with given output
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fusedops  # noqa: E402
 from fusedops import functional as FF, reference  # noqa: E402
 

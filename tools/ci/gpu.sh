@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests and
 # the fuzz sweep, run the benchmark suite, print a short table last.
-#   tools/gpu.sh [build|test|bench|all] [extra args for the benchmark runner]
-#   tools/gpu.sh e2e [extra args for benchmarks/bench_e2e.py]   (not part of all)
-#   tools/gpu.sh reliability   (not part of all: tests/test_reliability.py on
-#       CUDA, tools/huge.py, tools/sanitize.sh per tool, tools/fuzz.py; one
+#   tools/ci/gpu.sh [build|test|bench|all] [extra args for the benchmark runner]
+#   tools/ci/gpu.sh e2e [extra args for benchmarks/bench_e2e.py]   (not part of all)
+#   tools/ci/gpu.sh reliability   (not part of all: tests/test_reliability.py on
+#       CUDA, tools/reliability/huge.py, tools/reliability/sanitize.sh per tool, tools/reliability/fuzz.py; one
 #       summary line each, printed as each ends and again last)
 # Environment: PYTEST_ARGS (extra pytest args, e.g. "-k cuda"), FUZZ_CASES
 # (per op, default 300; 0 skips), FUZZ_OPS (default every op, e.g. "rope,xent"), SANITIZE_TOOLS (default "memcheck initcheck
@@ -15,7 +15,7 @@
 # Python carried in .whl/hf-py312 (the GPU machine has no network).
 set -uo pipefail
 start=$(date +%s)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -35,7 +35,7 @@ if [[ $what == test || $what == all ]]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
   summary+="tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t0 )) s)"$'\n'
   if [[ ${FUZZ_CASES:-300} != 0 ]]; then
-    python3 tools/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}" ${FUZZ_OPS:+--ops "$FUZZ_OPS"} >"$OUT/fuzz.log" 2>&1
+    python3 tools/reliability/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}" ${FUZZ_OPS:+--ops "$FUZZ_OPS"} >"$OUT/fuzz.log" 2>&1
     frc=$?; rc=$(( rc || frc ))
     grep FAIL "$OUT/fuzz.log" | head -10
     summary+="$(tail -1 "$OUT/fuzz.log")"$'\n'
@@ -65,15 +65,15 @@ if [[ $what == reliability ]]; then
   }
   step "test_reliability (CUDA)" "$OUT/reliability-tests.log" \
     python3 -m pytest -q -p no:cacheprovider tests/test_reliability.py -k "cuda and not fuzz" ${PYTEST_ARGS:-}
-  step "huge" "$OUT/huge.log" python3 tools/huge.py
+  step "huge" "$OUT/huge.log" python3 tools/reliability/huge.py
   if [[ ${SANITIZE_TOOLS:-} != none ]]; then
     mkdir -p "$OUT/sanitize"
     for tool in ${SANITIZE_TOOLS:-memcheck initcheck racecheck}; do
-      step "sanitize $tool" "$OUT/sanitize/run-$tool.log" env OUT="$OUT/sanitize" tools/sanitize.sh "$tool"
+      step "sanitize $tool" "$OUT/sanitize/run-$tool.log" env OUT="$OUT/sanitize" tools/reliability/sanitize.sh "$tool"
       rm -f "$OUT/sanitize/run-$tool.log"  # its summary is above; the tool's own log stays
     done
   fi
-  [[ ${FUZZ_CASES:-300} != 0 ]] && step "fuzz" "$OUT/fuzz.log" python3 tools/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}"
+  [[ ${FUZZ_CASES:-300} != 0 ]] && step "fuzz" "$OUT/fuzz.log" python3 tools/reliability/fuzz.py --device cuda --cases "${FUZZ_CASES:-300}"
   echo "--- reliability summary"
 fi
 if [[ $what == bench || $what == all ]]; then

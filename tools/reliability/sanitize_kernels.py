@@ -1,5 +1,5 @@
 """Every CUDA kernel of fusedops, forward and backward, once or a few times at
-small odd shapes: the program tools/sanitize.sh runs under compute-sanitizer
+small odd shapes: the program tools/reliability/sanitize.sh runs under compute-sanitizer
 (memcheck, racecheck, initcheck). Each case is one call of the tests' own
 helpers (tests/test_<op>.py); the shapes are chosen so that every kernel and
 every variant of it runs (register and loop kernels of the norms, each vector
@@ -7,14 +7,14 @@ width of the GLU kernel, every head dim of attention with and without the
 causal mask, the atomic and the deterministic dQ, each vector width of RoPE
 and of the cross-entropy, each Adam dtype pairing on the vector and the
 scalar path). Prints one line per op and a summary.
-    python tools/sanitize_kernels.py        (needs a CUDA GPU; ~2 s without the sanitizer)"""
+    python tools/reliability/sanitize_kernels.py        (needs a CUDA GPU; ~2 s without the sanitizer)"""
 import os
 import sys
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 import fusedops  # noqa: E402,F401
 import test_adam  # noqa: E402

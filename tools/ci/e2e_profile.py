@@ -3,7 +3,7 @@ kernels of a few steps from torch.profiler, summed into kinds (matmul,
 attention, fusedops' own kernels, Triton from inductor, other elementwise and
 reductions, the optimizer, copies), then the largest kernels by name.
 
-    python tools/e2e_profile.py [--modes compile,fusedops,fusedops+compile] [--steps 3]
+    python tools/ci/e2e_profile.py [--modes compile,fusedops,fusedops+compile] [--steps 3]
 
 The gap between two modes' step times shows up here as kinds of kernels, and
 as idle GPU time (step time minus the kernels' sum: launches, host work)."""
@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

@@ -4,7 +4,7 @@ parameters in 18 tensors). On a shared VM the memory bandwidth drifts between
 the suite's back-to-back timings of each implementation; alternating the
 steps makes both see the same machine.
 
-    OMP_NUM_THREADS=2 python tools/adam_alternate.py [--steps 60]"""
+    OMP_NUM_THREADS=2 python tools/probes/adam_alternate.py [--steps 60]"""
 import argparse
 import statistics
 import sys
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fusedops  # noqa: E402
 from benchmarks.bench_adam import SHAPES  # noqa: E402
 

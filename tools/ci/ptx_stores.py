@@ -5,7 +5,7 @@ files (nvcc -keep): st.global of 4 bytes at [%rdN], [%rdN+4], [%rdN+8] and
 C++ assignments (docs/perf-notes.md, v15). Exit status 1 on any split store
 outside ALLOWED, with the kernel named.
 
-    python tools/ptx_stores.py FILE.ptx ..."""
+    python tools/ci/ptx_stores.py FILE.ptx ..."""
 import re
 import subprocess
 import sys

@@ -3,7 +3,7 @@ float64 run of the same steps, and from each other: 100 fp32 steps of the
 configurations tests/test_adam.py checks, in ulps of each quantity's largest
 magnitude (the unit of the tests' parity bounds).
 
-    python tools/adam_parity.py [--device cuda] [--steps 100]
+    python tools/reliability/adam_parity.py [--device cuda] [--steps 100]
 
 Prints one line per configuration: each implementation's distance from the
 float64 run, and ours from each of torch's."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 
-spec = importlib.util.spec_from_file_location("test_adam", Path(__file__).parents[1] / "tests" / "test_adam.py")
+spec = importlib.util.spec_from_file_location("test_adam", Path(__file__).parents[2] / "tests" / "test_adam.py")
 T = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(T)
 

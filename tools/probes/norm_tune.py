@@ -23,7 +23,7 @@ default 2 on GPUs of more than 30 GB/s of memory bandwidth an SM) or
 FUSEDOPS_NORM_LN16=0|2 (LayerNorm's forward at 2048-4096 wide 8 values a
 thread, or 16 on any GPU; by default 16 on those GPUs) to compare plans:
 
-    FUSEDOPS_NORM_VALUES=16 python tools/norm_tune.py --shapes 16384x4096,8192x8192
+    FUSEDOPS_NORM_VALUES=16 python tools/probes/norm_tune.py --shapes 16384x4096,8192x8192
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
 timed the same way; with --rounds N the forwards are timed in turn N times
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import bench_norm, common  # noqa: E402
 import fusedops  # noqa: E402,F401
 from fusedops import reference  # noqa: E402

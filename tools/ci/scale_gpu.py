@@ -10,10 +10,10 @@ amp-bf16) on 1, 2 and 4 GPUs, each way of --variants:
 then the DCP checkpoint the 4-GPU fusedops run saved halfway, resumed on 2 GPUs
 and on 1 (resharded 4 -> 2 and 4 -> 1), and a markdown table last.
 
-    python tools/scale_gpu.py                                 # all of it (build first)
-    python tools/scale_gpu.py --gpus 4 --variants fusedops    # a part (see below)
-    python tools/scale_gpu.py --table-from DIR [DIR ...]      # the table of parts run apart
-    python tools/scale_gpu.py --dry                           # a check of this script: CPU, gloo, tiny
+    python tools/ci/scale_gpu.py                                 # all of it (build first)
+    python tools/ci/scale_gpu.py --gpus 4 --variants fusedops    # a part (see below)
+    python tools/ci/scale_gpu.py --table-from DIR [DIR ...]      # the table of parts run apart
+    python tools/ci/scale_gpu.py --dry                           # a check of this script: CPU, gloo, tiny
 
 Weak scaling, with one loss curve: every run takes the same global batch,
 PER_GPU x the largest GPU count, in micro-batches of PER_GPU sequences a GPU
@@ -24,7 +24,7 @@ micro-batches, on 4 a quarter of it once per micro-batch), so tokens/s per
 GPU compares like with like; and the runs train on the same batches, so the
 1-, 2- and 4-GPU fusedops curves must agree within bf16 tolerance (the end
 loss, the mean of the last tenth of the steps, within --end-atol; the first
---early-steps within --early-atol: tools/dist_gpu.sh's check), as must the
+--early-steps within --early-atol: tools/ci/dist_gpu.sh's check), as must the
 resumed runs with the curve they continue. 1 GPU runs without
 torch.distributed (--dist none), 2 and 4 with FSDP2 (--dist fsdp).
 
@@ -52,7 +52,7 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
 VARIANTS = {"fusedops": ["--runs", "fusedops"],
             "pytorch": ["--runs", "pytorch", "--torch-fused"],
@@ -156,7 +156,7 @@ def launch(name, n, argv, args, out, start):
 
 
 def build(out):
-    """The CUDA extension (tools/gpu.sh build) and transformers (installed, or
+    """The CUDA extension (tools/ci/gpu.sh build) and transformers (installed, or
     from wheels carried in .whl/hf-py312: the GPU machine has no network)."""
     env = dict(os.environ, OUT=str(out))
     if subprocess.run(["bash", str(ROOT / "tools" / "gpu.sh"), "build"], cwd=ROOT, env=env).returncode:

@@ -4,7 +4,7 @@ torch.profiler (time per call, per kernel name, largest first); then the matmuls
 MLP alone in the layouts it could use them in (gate and up as one [2F, H]
 weight; weight gradients as dW = dZ^T X or (X^T dZ)^T).
 
-    python tools/mlp_profile.py [--T 16384 --H 4096 --F 11008] [--iters 10]"""
+    python tools/probes/mlp_profile.py [--T 16384 --H 4096 --F 11008] [--iters 10]"""
 import argparse
 from collections import defaultdict
 

@@ -7,7 +7,7 @@ Forward and backward, each checked against the float64 reference by the 2x
 rule (tests/tolerances.py) chunk by chunk: every row of the norms, the GLUs and
 Adam; the batches of attention on both sides of the 2^31-th element.
 
-    python tools/huge.py [--ops norm,glu,adam,attention] [--log2 31]
+    python tools/reliability/huge.py [--ops norm,glu,adam,attention] [--log2 31]
 
 Sized for an 80 GB GPU: one case at a time, at most ~41 GB of tensors (each
 case says its peak). --log2 20 runs the same code at 2^20 elements (a check of
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 import fusedops  # noqa: E402,F401
 from fusedops import reference  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine: build the CUDA extension (tools/gpu.sh build),
+# One call on a 2-GPU machine: build the CUDA extension (tools/ci/gpu.sh build),
 # then examples/train.py (the small Llama, amp-bf16, global batch 8 x 1024
 # tokens) four ways, plain PyTorch and patched with fusedops + FusedAdamW each:
 #   1 GPU                    python examples/train.py
@@ -22,13 +22,13 @@
 # processes) against 1, 400 steps, plain and fusedops: end loss within
 # 0.0003-0.0011, the first 15 steps within 4.1e-4; in between, the spike
 # after the warm-up (steps 26-37) parted the curves by up to 2.9.
-#   tools/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.01 EARLY_STEPS=15 EARLY_ATOL=0.005
-#   DRY=1 tools/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
+#   tools/ci/dist_gpu.sh            # STEPS=400 WEAK_STEPS=60 BF16_ATOL=0.01 EARLY_STEPS=15 EARLY_ATOL=0.005
+#   DRY=1 tools/ci/dist_gpu.sh      # a check of this script: CPU, gloo, the tiny preset, no build
 # Logs, summaries and plots go to $OUT/dist.tar.gz ($OUT: the device tool's
 # folder, or ./gpu-out);
 # checkpoints to $DIST_WORK (default /tmp/fusedops-dist), not $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 start=$(date +%s)
 OUT=${OUT:-$PWD/gpu-out}; export OUT
 STEPS=${STEPS:-400} WEAK_STEPS=${WEAK_STEPS:-60} BF16_ATOL=${BF16_ATOL:-0.01}
@@ -39,7 +39,7 @@ where=()
 if [[ ${DRY:-0} == 1 ]]; then
   where=(--device cpu --preset tiny); STEPS=16 WEAK_STEPS=8
 else
-  tools/gpu.sh build || exit 1
+  tools/ci/gpu.sh build || exit 1
   python3 -c "import transformers" 2>/dev/null \
     || python3 -m pip install -q --no-index --find-links .whl/hf-py312 transformers >"$OUT/hf-install.log" 2>&1 \
     || { tail -20 "$OUT/hf-install.log"; echo "NO TRANSFORMERS"; exit 1; }

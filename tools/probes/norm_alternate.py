@@ -7,7 +7,7 @@ calls makes both see the same machine, and a low percentile of each one's
 times skips the stalls. GB/s by the suite's byte counts (4 matrices forward,
 8 forward and backward).
 
-    OMP_NUM_THREADS=2 python tools/norm_alternate.py 4096x1024 float32 [--backward]
+    OMP_NUM_THREADS=2 python tools/probes/norm_alternate.py 4096x1024 float32 [--backward]
 
 Compare settings read once per process (FUSEDOPS_CPU_STREAM, FUSEDOPS_CPU_ISA)
 by running it once per setting, in turn."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fusedops import functional as F  # noqa: E402
 
 

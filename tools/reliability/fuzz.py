@@ -3,7 +3,7 @@ the 2x rule (tests/tolerances.py), forward and backward, on any device:
 random shapes (aligned widths and odd ones, empty ones), memory layouts
 (slices, transposes, broadcast rows, packed tensors), dtypes and options.
 
-    python tools/fuzz.py [--device cuda] [--cases 300] [--ops norm,attention] [--seed 0]
+    python tools/reliability/fuzz.py [--device cuda] [--cases 300] [--ops norm,attention] [--seed 0]
                          [--size small|large] [--case N]
 
 Ops: norm (add + LayerNorm / RMSNorm), glu (SwiGLU / GeGLU), glu_packed, mlp
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 import fusedops  # noqa: E402,F401
 from fusedops import functional as FF, reference  # noqa: E402

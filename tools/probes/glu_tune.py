@@ -3,7 +3,7 @@ over rotating inputs) of the raw glu_fwd and glu_bwd ops, as GB/s and as a
 fraction of the copy ceiling measured in the same run. Run it once per setting
 of FUSEDOPS_GLU_VECTORS ("F,B": vectors per thread, swiglu_cuda.cu):
 
-    FUSEDOPS_GLU_VECTORS=2,2 python tools/glu_tune.py --shapes 16384x11008
+    FUSEDOPS_GLU_VECTORS=2,2 python tools/probes/glu_tune.py --shapes 16384x11008
 
 Not the benchmark suite (benchmarks/): no eager or compile, no autograd."""
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import common  # noqa: E402
 import fusedops  # noqa: E402,F401
 

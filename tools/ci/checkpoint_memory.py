@@ -2,8 +2,8 @@
 backward of examples/train.py's Llama, plain and patched with fusedops, with
 and without --checkpoint (each decoder layer recomputed in the backward).
 
-    python tools/checkpoint_memory.py                    # CPU: the cpu preset
-    python tools/checkpoint_memory.py --preset cuda      # on a GPU
+    python tools/ci/checkpoint_memory.py                    # CPU: the cpu preset
+    python tools/ci/checkpoint_memory.py --preset cuda      # on a GPU
 
 Two figures a case, over what was allocated before the step (parameters): the
 memory held at the end of the forward (the activations kept for the backward,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import fusedops  # noqa: E402
 

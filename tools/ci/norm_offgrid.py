@@ -3,14 +3,14 @@ compile_exact; GPU time, copy ceiling in the same run) at widths off its grid,
 e.g. rows that allow only 4-byte or one-element access (docs/perf-notes.md,
 v27; docs/results/h100-norm-offgrid.md came from the default shapes):
 
-    python tools/norm_offgrid.py [--shapes 16384x1030,...] [--out DIR] [--no-compile]
+    python tools/ci/norm_offgrid.py [--shapes 16384x1030,...] [--out DIR] [--no-compile]
 
 On the CPU the same shapes replace the CPU's (in fp32, bf16 and fp16)."""
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import bench_norm, run  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """One flash_attention forward (and, with --bwd, its backward) at a benchmark
 shape, for Nsight Compute to profile:
   ncu --clock-control none -k regex:attn_ --launch-skip 2 --launch-count 1 \\
-      --section SpeedOfLight --section WarpStateStats python3 tools/attn_ncu.py
-Usage: tools/attn_ncu.py [B H S D] [--causal] [--bwd]"""
+      --section SpeedOfLight --section WarpStateStats python3 tools/probes/attn_ncu.py
+Usage: tools/probes/attn_ncu.py [B H S D] [--causal] [--bwd]"""
 import sys
 
 import torch

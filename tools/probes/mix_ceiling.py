@@ -12,7 +12,7 @@ each, far beyond L2) beside torch's copy, in one run:
 If triton 4:3 sits below the copy by what fusedops' Adam misses (0.94 of the
 copy where issue 4 asks 0.95), the mix is the limit, not the kernel.
 
-    python3 tools/mix_ceiling.py [--elements 536870912]
+    python3 tools/probes/mix_ceiling.py [--elements 536870912]
 
 Needs a CUDA GPU and Triton; not part of the benchmark suite."""
 import argparse
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import common  # noqa: E402
 
 

@@ -3,11 +3,11 @@
 # without linking: the check CI runs on machines with nvcc but no GPU (and a
 # CPU-only torch, which cannot link a CUDA extension). Any compile error or
 # ptxas spill fails it, and so does a 16-byte global store that the compiler
-# split into 32-bit ones (tools/ptx_stores.py, on the PTX that -keep leaves).
-# Usage: tools/compile_cuda.sh [archs, default "80 90"]
+# split into 32-bit ones (tools/ci/ptx_stores.py, on the PTX that -keep leaves).
+# Usage: tools/ci/compile_cuda.sh [archs, default "80 90"]
 # (90 is compiled as sm_90a, as setup.py does: the wgmma kernels need it).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 archs=${1:-"80 90"}
 NVCC=${NVCC:-nvcc}
 command -v "$NVCC" >/dev/null || { echo "compile_cuda: nvcc not found" >&2; exit 1; }
@@ -16,7 +16,7 @@ defs="-DTORCH_TARGET_VERSION=0x020B000000000000 -DFUSEDOPS_WITH_CUDA -DUSE_CUDA"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
-python tools/gen_wgmma.py --check || status=1
+python tools/ci/gen_wgmma.py --check || status=1
 for cu in csrc/*/*_cuda.cu; do
   for a in $archs; do
     [ "$a" = 90 ] && a=90a
@@ -34,8 +34,8 @@ for cu in csrc/*/*_cuda.cu; do
     echo "compile_cuda: ok $cu sm_$a ($(grep -c 'Compiling entry' "$log") kernels)"
   done
 done
-# Every 16-byte global store one instruction (tools/ptx_stores.py).
-python tools/ptx_stores.py $(find "$out" -name '*.ptx' | sort) || status=1
+# Every 16-byte global store one instruction (tools/ci/ptx_stores.py).
+python tools/ci/ptx_stores.py $(find "$out" -name '*.ptx' | sort) || status=1
 for shim in csrc/*/*_ops.cpp; do
   ${CXX:-g++} -std=c++17 -fsyntax-only -Wall -Werror $defs $(printf -- '-I%s ' $TORCH_INC) -I"$(dirname "$(command -v "$NVCC")")/../include" "$shim" \
     && echo "compile_cuda: ok $shim (CUDA registration)" || { echo "compile_cuda: FAILED $shim" >&2; status=1; }
