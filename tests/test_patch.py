@@ -69,6 +69,7 @@ def test_plain_modules_swapped_and_restored():
     assert sorted(old for _, old, _ in report.replaced) == ["LayerNorm", "LayerNorm", "RMSNorm"]
     assert {(p, c) for p, c, _ in report.skipped} == {("custom", "MyLayerNorm"), ("mha", "MultiheadAttention")}
     assert "MyLayerNorm" in str(report) and "3 module(s)" in str(report)
+    assert "2 x LayerNorm -> fusedops.nn.LayerNorm" in str(report)  # never "LayerNorm -> LayerNorm"
 
     y, dx, g = _run(m, x)
     assert_close_2x(y, y64, y0, "out")
