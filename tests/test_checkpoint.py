@@ -130,7 +130,7 @@ def test_qkv_attention_recomputed(selective):
 
 
 def test_checkpoint_memory_tool():
-    """tools/ci/checkpoint_memory.py (the figures in the README) measures on the
+    """tools/ci/checkpoint_memory.py (the figures in docs/distributed.md) measures on the
     CPU: checkpointing keeps less after the forward, and peaks lower."""
     pytest.importorskip("transformers")
     import importlib.util

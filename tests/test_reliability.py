@@ -12,7 +12,7 @@
 - NaN and inf propagate as in eager PyTorch, forward and backward; a
   GradScaler step whose gradients hold an inf (from the forward) is skipped.
 - every forward is bitwise repeatable (on the CPU also with another thread
-  count), and so is every backward that promises it (README, Determinism).
+  count), and so is every backward that promises it (docs/reliability.md, Determinism).
 - a whole training step captured in a CUDA graph and replayed matches the
   same steps run eagerly (CUDA only).
 - torch.compile(fullgraph=True) of a patched Llama with the batch size
@@ -499,7 +499,7 @@ def _attention_case(device, dtype, causal):
     gradient. Causal: all of them where no key is masked out (the last query
     row, the last key): eager's masked softmax spreads a row's NaN over the
     masked keys' gradients too, the kernels (like torch's flash SDPA) leave
-    masked keys out (README, NaN and inf)."""
+    masked keys out (docs/reliability.md, NaN and inf)."""
     c = test_attention.Case(B=1, Sq=6, Sk=6, Hq=2, Hkv=2, D=32, causal=causal, dtype=cuda_ok(device, dtype))
     q, k, v, dout = test_attention.make_inputs(c, device)
     row, key = (5, 5) if causal else (1, 4)
