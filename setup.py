@@ -135,9 +135,13 @@ def extension():
                                        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
 
 
+# The wheel's local version label names the build (PEP 440): a CUDA build and a
+# CPU one never share a file name, and `pip list` tells which is installed.
+LOCAL = f"cu{torch.version.cuda.replace('.', '')}" if WITH_CUDA else "cpu"
+
 setup(
     name="fusedops",
-    version=VERSION,
+    version=f"{VERSION}+{LOCAL}",
     packages=["fusedops", "fusedops.ops"],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt},

@@ -624,16 +624,15 @@ def format_table(meta, rows):
     line per (op, shape, dtype, direction). On a GPU the rates are GPU time
     (the calls replayed as a CUDA graph: kernels only, for every impl alike);
     'wall' is fusedops timed call by call, host overhead included."""
-    c = meta["ceiling"]
     gpu = meta.get("device_type") == "cuda"
     title = (f"{meta['device']}, torch {meta['torch']}, commit {meta['git_commit'][:12]}"
              f"{' (dirty)' if meta.get('git_dirty') else ''}; {meta['timer']}\n"
-             f"copy ceiling {c['GB/s']:.0f} GB/s ({c['buffer_bytes'] // MB} MiB, read + write)")
-    if meta.get("matmul_ceiling"):
-        m = meta["matmul_ceiling"]
-        title += f"; matmul ceiling {m['TFLOP/s']:.1f} TFLOP/s ({m['dtype']} {m['n']}^3)"
-    title += (". Memory-bound cases in GB/s, compute-bound ones in TFLOP/s; frac = fusedops / "
-              "the ceiling of that unit; 'vs' = fusedops speedup.\n")
+             f"{ceiling_line(meta)}. Memory-bound cases in GB/s, compute-bound ones in TFLOP/s; "
+             "frac = fusedops / the ceiling of that unit; 'vs' = fusedops speedup.\n")
+    if not gpu:
+        title += ("On a CPU the copy ceiling is the memory's bandwidth and the matmul ceiling one fp32 "
+                  "matmul: a case whose operands stay in the caches, or that runs in bf16, can read a "
+                  "frac above 1 (a yardstick here, not a bound).\n")
     if gpu:
         title += ("Rates from GPU time (each impl's calls replayed as a CUDA graph, timed twice, the "
                   "impls in turn and then in reverse order, the mean kept); 'fusedops wall' "
@@ -648,7 +647,43 @@ def format_table(meta, rows):
     tables = [_table([r for r in rows if r.get("unit", "GB/s") == u], ceilings(meta).get(u), u)
               for u in ("GB/s", "TFLOP/s") if any(r.get("unit", "GB/s") == u for r in rows)]
     notes = "".join(f"{n}\n" for n in dict.fromkeys(r["note"] for r in rows if r.get("note")))
-    return title + "\n".join(tables) + ("\n" + notes if notes else "")
+    return title + "\n".join(tables) + ("\n" + notes if notes else "") + "\n" + verdict(rows) + "\n"
+
+
+def ceiling_line(meta):
+    """The ceilings a run measured, in words: 'copy ceiling 3017 GB/s (2048 MiB,
+    read + write); matmul ceiling 745 TFLOP/s (bfloat16 8192^3)'."""
+    c = meta["ceiling"]
+    line = f"copy ceiling {_fmt_rate(c['GB/s'])} GB/s ({c['buffer_bytes'] // MB} MiB, read + write)"
+    if meta.get("matmul_ceiling"):
+        m = meta["matmul_ceiling"]
+        line += f"; matmul ceiling {_fmt_rate(m['TFLOP/s'])} TFLOP/s ({m['dtype']} {m['n']}^3)"
+    return line
+
+
+BASELINES = {"eager": "eager", "compile": "torch.compile"}
+
+
+def verdict(rows):
+    """One line: in how many cases fusedops is faster than eager and than
+    torch.compile, and its worst ratio to either (with the case)."""
+    wins, worst = {}, None
+    for key, g in _by_impl(rows).items():
+        ours = rate(g.get("fusedops", {}))
+        for impl, name in BASELINES.items():
+            ratio = _ratio(ours, rate(g.get(impl, {})))
+            if ratio is None:
+                continue
+            won, of = wins.get(name, (0, 0))
+            wins[name] = (won + (ratio > 1), of + 1)
+            if worst is None or ratio < worst[0]:
+                worst = (ratio, name, key)
+    if worst is None:
+        return "verdict: no case ran fusedops beside eager or torch.compile"
+    ratio, name, (op, shape, dtype, direction) = worst
+    return ("verdict: fusedops is faster than " + ", than ".join(f"{n} in {w} of {of} cases"
+                                                                for n, (w, of) in wins.items())
+            + f"; worst {ratio:.2f}x {name} ({op} {shape} {dtype} {direction})")
 
 
 def ceilings(meta):
@@ -660,8 +695,9 @@ def ceilings(meta):
 
 
 def write_plot(out_dir, meta, rows):
-    """Fraction of the copy ceiling per case for the three impls, one panel per
-    direction. Returns the path, or None (with a message) without matplotlib."""
+    """Each impl's rate as a fraction of its unit's ceiling, per case: one panel
+    per unit and direction. Returns the path, or None (with a message) without
+    matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -669,19 +705,21 @@ def write_plot(out_dir, meta, rows):
     except ImportError:
         print("matplotlib not installed: no chart (pip install matplotlib)", file=sys.stderr)
         return None
-    groups = _by_impl([r for r in rows if r.get("unit", "GB/s") == "GB/s"])  # FLOP cases: table only
-    present = [d for d in DIRECTIONS if any(k[3] == d for k in groups)]
-    if not present:
+    timing = "GPU time" if meta.get("device_type") == "cuda" else "wall time"
+    panels = []
+    for unit, ceiling in (("GB/s", "copy"), ("TFLOP/s", "matmul")):
+        groups = _by_impl([r for r in rows if r.get("unit", "GB/s") == unit])
+        panels += [(groups, [k for k in groups if k[3] == d], f"{d} ({unit})", f"{unit} / {ceiling} ceiling ({timing})")
+                   for d in DIRECTIONS if any(k[3] == d for k in groups)]
+    if not panels:
         return None
-    n = max(sum(k[3] == d for k in groups) for d in present)
-    fig, axes = plt.subplots(len(present), 1, figsize=(max(8, 0.55 * n + 2), 4.5 * len(present)),
-                             squeeze=False)
-    for ax, direction in zip(axes[:, 0], present):
-        _plot_panel(ax, groups, [k for k in groups if k[3] == direction], direction)
+    n = max(len(keys) for _, keys, _, _ in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.55 * n + 2), 4.5 * len(panels)), squeeze=False)
+    for ax, (groups, keys, title, ylabel) in zip(axes[:, 0], panels):
+        _plot_panel(ax, groups, keys, title, ylabel)
     # Legend and title above the panels, where they cannot hide a bar.
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper right", ncol=3, fontsize=8)
-    fig.suptitle(f"{meta['device']}: copy ceiling {meta['ceiling']['GB/s']:.0f} GB/s; "
-                 f"torch {meta['torch']}", fontsize=10, x=0.02, ha="left")
+    fig.suptitle(f"{meta['device']}, torch {meta['torch']}\n{ceiling_line(meta)}", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(out_dir) / "results.png"
     fig.savefig(path, dpi=110)
@@ -693,7 +731,7 @@ def _frac(row):
     return row.get("gpu_frac_of_ceiling") or row.get("frac_of_ceiling")
 
 
-def _plot_panel(ax, groups, keys, direction):
+def _plot_panel(ax, groups, keys, title, ylabel):
     several_dtypes = len({k[2] for k in groups}) > 1
     # Stacked labels while they fit side by side, one rotated line past that.
     sep, rot = ("\n", 0) if len(keys) <= 10 else (" ", 90)
@@ -713,6 +751,6 @@ def _plot_panel(ax, groups, keys, direction):
     top = max([1.0] + [f for fr in fracs.values() for f in fr if f])
     ax.set_ylim(0, top * 1.08)  # headroom so the ceiling line is not the frame
     ax.set_xticks(range(len(keys)), labels, rotation=rot, fontsize=8)
-    ax.set_ylabel("fraction of ceiling (GPU time)")
-    ax.set_title(direction, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)

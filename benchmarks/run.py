@@ -101,11 +101,9 @@ def main(argv=None):
     cases = collect_cases(args.ops, device, args.quick, sweep)
     ceiling = common.copy_ceiling(device)
     meta = common.metadata(device, ceiling)
-    msg = f"copy ceiling {ceiling['GB/s']:.0f} GB/s"
     if any(c.flops for c in cases):
         meta["matmul_ceiling"] = common.matmul_ceiling(device)
-        msg += f", matmul ceiling {meta['matmul_ceiling']['TFLOP/s']:.1f} TFLOP/s"
-    print(f"{meta['device']}: {msg}; {len(cases)} cases", file=sys.stderr, flush=True)
+    print(f"{meta['device']}: {common.ceiling_line(meta)}; {len(cases)} cases", file=sys.stderr, flush=True)
     rows = run_cases(cases, device, meta, out, not args.no_compile)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     report(out, meta, rows, plot=not args.no_plot)

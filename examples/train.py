@@ -83,7 +83,7 @@ CONFIGS = {
     "tiny": dict(vocab_size=67, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, batch=4, seq=32, steps=16, dtype="fp32"),
     # Issue 56's scaling model: Llama 3.2 3B's shape with untied embeddings
-    # (3.6 B parameters), 4096-token sequences (tools/scale_gpu.py).
+    # (3.6 B parameters), 4096-token sequences (tools/ci/scale_gpu.py).
     "3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                num_attention_heads=24, num_key_value_heads=8, batch=2, seq=4096, steps=30,
                dtype="amp-bf16"),

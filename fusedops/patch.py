@@ -124,6 +124,14 @@ class PatchReport:
         return "\n".join(lines)
 
 
+def _names(old, new):
+    """The two class names of a replacement for the report: the new one with its
+    module where the names alone are equal (torch.nn.LayerNorm becomes
+    fusedops.nn.LayerNorm, not "LayerNorm -> LayerNorm")."""
+    same = old.__name__ == new.__name__
+    return old.__name__, f"{new.__module__}.{new.__qualname__}" if same else new.__name__
+
+
 def _group(skipped):
     out = {}
     for path, cls, why in skipped:
@@ -223,7 +231,7 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     report = PatchReport()
     for path, module in model.named_modules():
         if _ORIGINAL in module.__dict__:  # patched before: still in the report
-            report.replaced.append((path, module.__dict__[_ORIGINAL].__name__, type(module).__name__))
+            report.replaced.append((path, *_names(module.__dict__[_ORIGINAL], type(module))))
             continue
         rule = table.get(type(module))
         if rule is None:
@@ -238,7 +246,7 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
             report.skipped.append((path, type(module).__name__, made))
             continue
         old = _swap(module, made)
-        report.replaced.append((path, old.__name__, type(module).__name__))
+        report.replaced.append((path, *_names(old, type(module))))
     if fuse_residual:
         _link_residual_chains(model)
     if attention and hf:

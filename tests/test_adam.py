@@ -454,7 +454,7 @@ def test_parity_100_steps(device, config, impl):
     same formula (all its CPU paths, its CUDA for-loop and foreach), the two
     are also within PARITY_ULPS of each other.
 
-    Measured (tools/adam_parity.py): ours is 7-19 ulps from float64 after 100
+    Measured (tools/reliability/adam_parity.py): ours is 7-19 ulps from float64 after 100
     steps on CPU and on an H100, within 1-2.3 ulps of torch's for-loop and
     foreach, and on the CPU of its fused kernel. torch's CUDA fused kernel
     rounds differently (6-104 ulps from float64; 11-108 from ours), as does its

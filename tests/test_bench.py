@@ -6,6 +6,7 @@ choosing, so this runs on the CPU."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -110,3 +111,49 @@ def test_wall_clock_calls_by_call_length(monkeypatch):
     # Short calls: warm-ups for a quarter of the 0.3 s budget (75, or 76 as the
     # fake clock's sums round), then the budget's worth, capped at 200.
     assert 75 + 200 <= calls_for(1e-3) <= 76 + 200
+
+
+def _rows(*cases):
+    """Result rows of (op, unit, direction, {impl: rate}) cases."""
+    return [{"op": op, "shape": "8x8", "dtype": "float32", "direction": d, "unit": unit, "impl": impl,
+             unit: r, "frac_of_ceiling": r / 10}
+            for op, unit, d, rates in cases for impl, r in rates.items()]
+
+
+def test_verdict_counts_wins_and_names_the_worst_case():
+    rows = _rows(("norm", "GB/s", "fwd", {"fusedops": 10, "eager": 5, "compile": 8}),
+                 ("norm", "GB/s", "fwd+bwd", {"fusedops": 9, "eager": 3, "compile": 12}),
+                 ("attention", "TFLOP/s", "fwd", {"fusedops": 2, "eager": 4}))
+    assert common.verdict(rows) == ("verdict: fusedops is faster than eager in 2 of 3 cases, than "
+                                    "torch.compile in 1 of 2 cases; worst 0.50x eager (attention 8x8 float32 fwd)")
+    assert "no case" in common.verdict(_rows(("norm", "GB/s", "fwd", {"fusedops": 1})))
+
+
+def test_small_ceilings_are_not_printed_as_zero():
+    """A CPU's matmul rate (0.05 TFLOP/s, say) keeps its digits."""
+    meta = {"ceiling": {"GB/s": 12.34, "buffer_bytes": 256 * common.MB},
+            "matmul_ceiling": {"TFLOP/s": 0.0488, "dtype": "float32", "n": 1024}}
+    assert common.ceiling_line(meta) == ("copy ceiling 12.3 GB/s (256 MiB, read + write); "
+                                         "matmul ceiling 0.049 TFLOP/s (float32 1024^3)")
+
+
+def test_plot_has_a_panel_per_unit_and_direction(tmp_path, monkeypatch):
+    """TFLOP/s cases get panels of their own, and a CPU run's axis says wall time."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    made = []
+    real = plt.subplots
+
+    def subplots(*a, **k):
+        fig, axes = real(*a, **k)
+        made.append(axes)
+        return fig, axes
+    monkeypatch.setattr(plt, "subplots", subplots)
+    rows = _rows(("norm", "GB/s", "fwd", {"fusedops": 10, "eager": 5}),
+                 ("mlp", "TFLOP/s", "fwd+bwd", {"fusedops": 2, "eager": 4}))
+    meta = {"device": "a CPU", "device_type": "cpu", "torch": torch.__version__,
+            "ceiling": {"GB/s": 10.0, "buffer_bytes": 256 * common.MB},
+            "matmul_ceiling": {"TFLOP/s": 0.05, "dtype": "float32", "n": 1024}}
+    assert common.write_plot(tmp_path, meta, rows).exists()
+    axes = made[0][:, 0]
+    assert [ax.get_title() for ax in axes] == ["fwd (GB/s)", "fwd+bwd (TFLOP/s)"]
+    assert [ax.get_ylabel() for ax in axes] == ["GB/s / copy ceiling (wall time)", "TFLOP/s / matmul ceiling (wall time)"]

@@ -2,8 +2,10 @@
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
+import torch
 
 import fusedops
 
@@ -18,3 +20,29 @@ def test_exports_only_the_entry_points():
                          capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert exported == {"PyInit__C", "fo_cpu_isa", "fo_cpu_set_isa", "fo_cpu_convert"}
+
+
+def test_installed_version_names_the_build():
+    """The wheel's local version label says which build it is: +cpu, or +cu<version> of
+    the CUDA it was built with (so a CUDA wheel and a CPU one never share a file name)."""
+    try:
+        version = metadata.version("fusedops")
+    except metadata.PackageNotFoundError:
+        pytest.skip("built in place, not installed: no version metadata")
+    cuda = fusedops.build_info()["cuda"]
+    assert version.startswith(fusedops.__version__ + "+") and version.endswith("+cpu") != cuda, version
+    if cuda:
+        assert version.endswith("+cu" + torch.version.cuda.replace(".", "")), version
+
+
+def test_cuda_build_on_a_cpu_torch_is_named(monkeypatch):
+    """A CUDA build imported on a CPU-only torch says so, naming the torch and the way
+    out, instead of the loader's bare "libtorch_cuda.so: cannot open shared object file"."""
+    loader = ImportError("libtorch_cuda.so: cannot open shared object file: No such file or directory")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    msg = fusedops._cuda_build_on_cpu_torch(loader)
+    assert msg.startswith("fusedops: ") and "needs a CUDA build of torch" in msg, msg
+    assert torch.__version__ in msg and "FUSEDOPS_CUDA=0" in msg and "libtorch_cuda.so" in msg, msg
+    assert fusedops._cuda_build_on_cpu_torch(ImportError("undefined symbol: PyInit__C")) is None
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert fusedops._cuda_build_on_cpu_torch(loader) is None  # a CUDA torch: another problem

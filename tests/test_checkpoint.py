@@ -130,12 +130,12 @@ def test_qkv_attention_recomputed(selective):
 
 
 def test_checkpoint_memory_tool():
-    """tools/checkpoint_memory.py (the figures in the README) measures on the
+    """tools/ci/checkpoint_memory.py (the figures in docs/distributed.md) measures on the
     CPU: checkpointing keeps less after the forward, and peaks lower."""
     pytest.importorskip("transformers")
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "tools" / "checkpoint_memory.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "ci" / "checkpoint_memory.py"
     spec = importlib.util.spec_from_file_location("checkpoint_memory", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

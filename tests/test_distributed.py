@@ -237,14 +237,14 @@ def test_activation_checkpointing_changes_nothing(runs):
 
 
 def test_dist_gpu_script_dry_run(tmp_path):
-    """tools/dist_gpu.sh (the 2-GPU parity, resume and throughput call) in
+    """tools/ci/dist_gpu.sh (the 2-GPU parity, resume and throughput call) in
     its dry mode: the same steps and verdicts on the CPU, gloo and the tiny
     preset, so that a GPU call's verdict is about training, not the script."""
     pytest.importorskip("transformers")
     _needs_fsdp2()
     env = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), DIST_WORK=str(tmp_path / "work"),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "dist_gpu.sh")], env=env, cwd=ROOT,
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "ci" / "dist_gpu.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     log = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, log
@@ -256,7 +256,7 @@ def test_dist_gpu_script_dry_run(tmp_path):
 
 
 def test_scale_script_dry_run(tmp_path):
-    """tools/scale_gpu.py (issue 56's 1-, 2- and 4-GPU table and the DCP
+    """tools/ci/scale_gpu.py (issue 56's 1-, 2- and 4-GPU table and the DCP
     resharding) in its dry mode, on 1 and 2 CPU processes: the 2-process
     FSDP2 run follows the 1-process curve (same global batch, in 2
     micro-batches there), its checkpoint resumes on 1 process, and the table
@@ -264,7 +264,7 @@ def test_scale_script_dry_run(tmp_path):
     pytest.importorskip("transformers")
     _needs_fsdp2()
     env = dict(os.environ, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "scale_gpu.py"), "--dry", "--variants", "fusedops",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ci" / "scale_gpu.py"), "--dry", "--variants", "fusedops",
                            "--work", str(tmp_path / "work")], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     log = (proc.stdout + proc.stderr)[-4000:]

@@ -69,6 +69,7 @@ def test_plain_modules_swapped_and_restored():
     assert sorted(old for _, old, _ in report.replaced) == ["LayerNorm", "LayerNorm", "RMSNorm"]
     assert {(p, c) for p, c, _ in report.skipped} == {("custom", "MyLayerNorm"), ("mha", "MultiheadAttention")}
     assert "MyLayerNorm" in str(report) and "3 module(s)" in str(report)
+    assert "2 x LayerNorm -> fusedops.nn.LayerNorm" in str(report)  # never "LayerNorm -> LayerNorm"
 
     y, dx, g = _run(m, x)
     assert_close_2x(y, y64, y0, "out")
@@ -634,13 +635,13 @@ def test_example_and_e2e_benchmark_run(tmp_path):
 
 
 def test_e2e_profile_kernel_kinds():
-    """tools/e2e_profile.py sorts GPU kernels into kinds by name; fusedops'
+    """tools/ci/e2e_profile.py sorts GPU kernels into kinds by name; fusedops'
     own (the top-level anonymous namespace of csrc/*/*_cuda.cu) must not be
     counted as torch's, nor torch's (in at::native::(anonymous namespace))
     as ours. Names as torch.profiler reported them on the H100."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "ci"))
     try:
         import e2e_profile
     finally:

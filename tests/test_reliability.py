@@ -8,11 +8,11 @@
   views) checks them against the float64 reference by the 2x rule. The
   per-op files hold each raw op's own argument checks (test_<op>.py,
   test_bad_input_*); these tables do not repeat them.
-- the fuzzer (tools/fuzz.py), CI-sized: a few hundred seeded cases per op.
+- the fuzzer (tools/reliability/fuzz.py), CI-sized: a few hundred seeded cases per op.
 - NaN and inf propagate as in eager PyTorch, forward and backward; a
   GradScaler step whose gradients hold an inf (from the forward) is skipped.
 - every forward is bitwise repeatable (on the CPU also with another thread
-  count), and so is every backward that promises it (README, Determinism).
+  count), and so is every backward that promises it (docs/reliability.md, Determinism).
 - a whole training step captured in a CUDA graph and replayed matches the
   same steps run eagerly (CUDA only).
 - torch.compile(fullgraph=True) of a patched Llama with the batch size
@@ -38,7 +38,7 @@ import test_swiglu
 import test_xent
 from test_adam import PARITY_ULPS, ulps_apart
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "reliability"))
 import fuzz  # noqa: E402
 
 ops = torch.ops.fusedops
@@ -422,12 +422,12 @@ def test_inplace_ops_bump_versions(device):
 
 # --------------------------------------------------------------------------- fuzzing
 
-FUZZ_CASES = {"cpu": 200, "cuda": 40}  # per op; tools/fuzz.py runs thousands on a GPU
+FUZZ_CASES = {"cpu": 200, "cuda": 40}  # per op; tools/reliability/fuzz.py runs thousands on a GPU
 
 
 @pytest.mark.parametrize("op", list(fuzz.OPS))
 def test_fuzz(device, op):
-    """tools/fuzz.py's seeded random cases (shapes, layouts, dtypes, options),
+    """tools/reliability/fuzz.py's seeded random cases (shapes, layouts, dtypes, options),
     forward and backward against float64 by the 2x rule; small tensors on the
     CPU, GPU-sized ones on CUDA."""
     res = fuzz.fuzz([op], FUZZ_CASES[device], device, seed=0, log=lambda line: None)
@@ -436,11 +436,11 @@ def test_fuzz(device, op):
 
 
 def test_sanitize_driver_dry_run():
-    """tools/sanitize_kernels.py (what tools/sanitize.sh runs under
+    """tools/reliability/sanitize_kernels.py (what tools/reliability/sanitize.sh runs under
     compute-sanitizer) on the CPU: it drives every op and reaches its last
     line, so that a GPU run's verdict is about the kernels, not the driver."""
     import subprocess
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "sanitize_kernels.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "reliability", "sanitize_kernels.py")
     proc = subprocess.run([sys.executable, script], env=dict(os.environ, SANITIZE_DEVICE="cpu"),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -499,7 +499,7 @@ def _attention_case(device, dtype, causal):
     gradient. Causal: all of them where no key is masked out (the last query
     row, the last key): eager's masked softmax spreads a row's NaN over the
     masked keys' gradients too, the kernels (like torch's flash SDPA) leave
-    masked keys out (README, NaN and inf)."""
+    masked keys out (docs/reliability.md, NaN and inf)."""
     c = test_attention.Case(B=1, Sq=6, Sk=6, Hq=2, Hkv=2, D=32, causal=causal, dtype=cuda_ok(device, dtype))
     q, k, v, dout = test_attention.make_inputs(c, device)
     row, key = (5, 5) if causal else (1, 4)

@@ -1,6 +1,6 @@
-"""The checks CI runs on the compiled kernels: tools/ptx_stores.py must flag a
-16-byte store split into 32-bit ones, and only that. And tools/host_overhead.py
-runs, with fusedops' autograd kernels and with torch's, and tools/norm_offgrid.py
+"""The checks CI runs on the compiled kernels: tools/ci/ptx_stores.py must flag a
+16-byte store split into 32-bit ones, and only that. And tools/ci/host_overhead.py
+runs, with fusedops' autograd kernels and with torch's, and tools/ci/norm_offgrid.py
 runs the shapes it is given."""
 import json
 import os
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "ci"))
 import ptx_stores  # noqa: E402
 
 HEAD = "//\n.version 9.0\n.target sm_90a\n.address_size 64\n"
@@ -45,7 +45,7 @@ def test_main_fails_unless_allowed(tmp_path, capsys):
 def test_host_overhead_runs_with_either_autograd_kernel():
     """Both registrations give every op a working forward+backward (the tool
     runs each); FUSEDOPS_TORCH_AUTOGRAD=1 switches to torch's kernel."""
-    tool = Path(__file__).resolve().parent.parent / "tools" / "host_overhead.py"
+    tool = Path(__file__).resolve().parent.parent / "tools" / "ci" / "host_overhead.py"
     for env, kernel in (("0", "fusedops' register_autograd"), ("1", "torch.library.register_autograd")):
         out = subprocess.run([sys.executable, str(tool), "--calls", "3", "--rounds", "1"], check=True,
                              capture_output=True, text=True,
@@ -56,12 +56,26 @@ def test_host_overhead_runs_with_either_autograd_kernel():
 
 
 def test_norm_offgrid_runs_the_shapes_given(tmp_path):
-    """tools/norm_offgrid.py runs the suite's norm cases at the shapes it is
+    """tools/ci/norm_offgrid.py runs the suite's norm cases at the shapes it is
     given, in place of the suite's own."""
-    tool = Path(__file__).resolve().parent.parent / "tools" / "norm_offgrid.py"
+    tool = Path(__file__).resolve().parent.parent / "tools" / "ci" / "norm_offgrid.py"
     proc = subprocess.run([sys.executable, str(tool), "--shapes", "6x7,5x2050", "--out", str(tmp_path),
                            "--no-compile"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert {r["shape"] for r in rows} == {"6x7", "5x2050"}
     assert {r["impl"] for r in rows} == {"fusedops", "eager"}
+
+
+def test_markdown_links_resolve(tmp_path, monkeypatch):
+    """tools/ci/check_links.py: every relative link in the repository's markdown
+    names a tracked file (and a heading, for #anchors); and it flags one that does not."""
+    import check_links
+    assert check_links.broken_links() == []
+    (tmp_path / "a.md").write_text("# Top\n[ok](#top) [gone](ANCHORS.md) [nohead](a.md#nowhere) [web](https://x.org)\n"
+                                   "```\n[in code](missing.md)\n```\n")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "a.md"], cwd=tmp_path, check=True)
+    monkeypatch.setattr(check_links, "ROOT", tmp_path)
+    assert check_links.broken_links() == ["a.md: ANCHORS.md (no such tracked file)",
+                                          "a.md: a.md#nowhere (no such heading)"]

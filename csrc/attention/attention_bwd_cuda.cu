@@ -34,7 +34,7 @@
 // dense by the shim's allocation (32-bit stores of element pairs).
 //
 // FLOPs: 2.5 x the forward's (five products). Measured on the H100:
-// docs/perf-notes.md. Compile check: tools/compile_cuda.sh "80 90".
+// docs/perf-notes.md. Compile check: tools/ci/compile_cuda.sh "80 90".
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_mma.cuh"

@@ -21,7 +21,7 @@
 // base (the shim copies other inputs).
 //
 // FLOPs: 4 B Hq Sq Sk D (halved causal). Measured on the H100: docs/perf-notes.md
-// (v0: 0.58-0.67 of SDPA's flash backend). Compile check: tools/compile_cuda.sh "80 90".
+// (v0: 0.58-0.67 of SDPA's flash backend). Compile check: tools/ci/compile_cuda.sh "80 90".
 #include "attention.h"
 #include "../common/cuda_utils.cuh"
 #include "attention_mma.cuh"

@@ -123,7 +123,7 @@ __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
 // already in the PTX): half the stores of fwd_regs' 32-value kernels, a
 // quarter to all of swiglu's backward (docs/perf-notes.md, v15). !kPtx keeps
 // the assignment, for the kernels where the inline PTX measured slower or
-// spilled; tools/ptx_stores.py (CI) names any split store left.
+// spilled; tools/ci/ptx_stores.py (CI) names any split store left.
 template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
   if constexpr (sizeof(pk) % 16 == 0) {

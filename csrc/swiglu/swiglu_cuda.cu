@@ -29,7 +29,7 @@ using namespace fo;
 
 constexpr int kThreads = 256;
 // U, vectors per thread: forward and backward. FUSEDOPS_GLU_VECTORS="F,B"
-// overrides them (1, 2 or 4 each), for tuning (tools/glu_tune.py).
+// overrides them (1, 2 or 4 each), for tuning (tools/probes/glu_tune.py).
 constexpr int kFwdVectors = 1, kBwdVectors = 2;
 
 int vectors_per_thread(bool bwd) {

@@ -60,7 +60,7 @@ def register_autograd(op, backward, setup_context):
     defaults are read once. Only what fusedops' schemas use is supported: no
     keyword-only arguments, no tensor lists (torch's kernel handles both).
     FUSEDOPS_TORCH_AUTOGRAD=1 at import registers torch's kernel instead, for
-    comparison (tools/host_overhead.py)."""
+    comparison (tools/ci/host_overhead.py)."""
     if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1":
         torch.library.register_autograd(f"fusedops::{op}", backward, setup_context=setup_context)
         return
