@@ -183,8 +183,9 @@ def _hf_run(model, ids, **kw):
     logits = out.logits
     if logits is None:
         with torch.no_grad():
-            logits = model.lm_head(model.model(ids, **kw).last_hidden_state)
-            cap = getattr(model.config, "final_logit_softcapping", None)
+            lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # (PEFT wraps it)
+            logits = lm.lm_head(lm.model(ids, **kw).last_hidden_state)
+            cap = getattr(lm.config, "final_logit_softcapping", None)
             if cap:
                 logits = torch.tanh(logits / cap) * cap
     return logits.detach(), _grads(model)
