@@ -424,7 +424,15 @@ def _causal_lm_forward(self, *args, **kwargs):
 
 def _causal_lm_namespace(cls):
     params = _forward_params(cls)
-    return {"forward": _causal_lm_forward,
+
+    def forward(self, *args, **kwargs):
+        return _causal_lm_forward(self, *args, **kwargs)
+
+    # The original's signature: generation reads it to decide which arguments
+    # the forward takes (logits_to_keep, for one).
+    forward.__signature__ = inspect.signature(cls.forward)
+    forward.__doc__ = _causal_lm_forward.__doc__
+    return {"forward": forward,
             "_fusedops_arg_names": [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]}
 
 
