@@ -191,6 +191,29 @@ def time_fn(fn, device):
     return _median_wall(fn, device)
 
 
+# The impls whose host time a call the suite reports (the "host us/call"
+# column): fusedops and the eager code it replaces.
+LOOP_IMPLS = ("fusedops", "eager")
+
+
+def loop_time(fn, device, budget_s=0.05, rounds=3):
+    """Seconds a call of fn() as a user's loop runs it: calls one after
+    another, no CUDA graph, one synchronize at the end; the best of `rounds`
+    loops. Where the kernels are shorter than the host's work for a call
+    (small shapes on a GPU, issue 54) this is the host's time; elsewhere the
+    GPU's (on the CPU: the call's)."""
+    n = _warm_and_count(fn, device, budget_s, lo=3, hi=2000)
+    best = math.inf
+    for _ in range(rounds):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
 # A timed call that takes this much longer than the same work replayed as a
 # CUDA graph is measuring Python, autograd and launch overhead, not kernels: an
 # eager fwd+bwd of a 2^24-element norm is a dozen launches for ~0.1 ms of
@@ -401,6 +424,8 @@ def _time_impl(impl, fn, case, sets, next_set, device, ceiling):
         row["ms"] = time_fn(call, device) * 1e3
         row[u] = case.work / row["ms"] * 1e3
         row["frac_of_ceiling"] = row[u] / ceiling
+        if impl in LOOP_IMPLS:
+            row["host_us"] = loop_time(call, device) * 1e6
         _record_gpu(row, graph_time(call, device), case, ceiling)
     except Exception as e:  # noqa: BLE001  (record it and go on to the next impl)
         row["error"] = _short_error(e)
@@ -578,6 +603,12 @@ def _wall(row):
     return "n/a" if r is None else _fmt_rate(r) + ("*" if row.get("host_bound") else "")
 
 
+def _host(g):
+    """fusedops' and eager's host time a call (loop_time), in microseconds."""
+    us = [g.get(impl, {}).get("host_us") for impl in LOOP_IMPLS]
+    return "/".join("n/a" if u is None else f"{u:.0f}" if u >= 100 else f"{u:.1f}" for u in us)
+
+
 def _peaks(r, impls):
     peaks = [r.get(impl, {}).get("peak_MiB") for impl in impls]
     return "/".join("n/a" if p is None else f"{p:.0f}" for p in peaks)
@@ -590,7 +621,7 @@ def _table_row(key, g, ceiling, impls, with_peaks):
     others = impls[1:]
     row = ([*key, _fmt_rate(v["fusedops"]), _fmt(_ratio(v["fusedops"], ceiling), ".2f")]
            + [_fmt_rate(v[o]) for o in others]
-           + [_fmt(_ratio(v["fusedops"], v[o]), ".2f") for o in others] + [_wall(g.get("fusedops", {}))])
+           + [_fmt(_ratio(v["fusedops"], v[o]), ".2f") for o in others] + [_wall(g.get("fusedops", {})), _host(g)])
     return row + ([_peaks(g, impls)] if with_peaks else [])
 
 
@@ -600,7 +631,7 @@ def _table(rows, ceiling, unit):
     impls = ["fusedops"] + [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "fusedops"]
     peaks = any("peak_MiB" in r for r in rows)
     head = (["op", "shape", "dtype", "dir", "fusedops", "frac"] + impls[1:]
-            + [f"vs {i}" for i in impls[1:]] + ["fusedops wall"]
+            + [f"vs {i}" for i in impls[1:]] + ["fusedops wall", "host us/call f/e"]
             + ([f"peak MiB {'/'.join(i[0] if i in IMPLS else i for i in impls)}"] if peaks else []))
     body = [_table_row(key, g, ceiling, impls, peaks) for key, g in _by_impl(rows).items()]
     return f"{unit}:\n" + _markdown(head, body, n_left=4) + "\n"
@@ -637,6 +668,9 @@ def format_table(meta, rows):
         title += ("Rates from GPU time (each impl's calls replayed as a CUDA graph, timed twice, the "
                   "impls in turn and then in reverse order, the mean kept); 'fusedops wall' "
                   "times each call from the host, launch and autograd overhead included.\n")
+    title += ("host us/call f/e: fusedops' and eager's microseconds a call in a user's loop (calls back to "
+              "back, no CUDA graph, one synchronize at the end; the best of 3 loops): the host's time "
+              "where it exceeds the kernels'.\n")
     if any("peak_MiB" in r for r in rows):
         title += ("peak MiB: memory one call allocates beyond its inputs, per impl in column order "
                   "(f/e/c: fusedops/eager/compile; fwd+bwd: the whole step, saved activations "

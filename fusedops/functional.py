@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import reference
-from .ops import linear_xent as _linear_xent_ops
+from .ops import attention as _attn, linear_xent as _linear_xent_ops, norm as _norm, rope as _rope
+from .ops import swiglu as _glu, xent as _xent
 from .ops._common import once_only
 
-_ops = torch.ops.fusedops
 
 
 def autocast_dtype(device_type):
@@ -85,7 +85,7 @@ def _add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32):
     # inference graph of torch.compile computes too).
     stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias))
-    y, s, _, _ = _ops.add_norm_fwd(
+    y, s, _, _ = _norm.add_norm_fwd(
         x, residual, _param(weight, x), _param(bias, x), float(eps), rms, residual_in_fp32, stats)
     if s.numel() == 0 and s.shape != x.shape:  # s was not stored: it is x
         s = x
@@ -117,24 +117,24 @@ def rms_norm(x, weight=None, eps=1e-6):
 
 def swiglu(gate, up):
     """silu(gate) * up, in one pass; the backward recomputes silu from gate."""
-    return _ops.glu_fwd(gate, up, "silu")
+    return _glu.glu_fwd(gate, up, "silu")
 
 
 def geglu(gate, up):
     """gelu(gate, approximate="tanh") * up, in one pass."""
-    return _ops.glu_fwd(gate, up, "gelu_tanh")
+    return _glu.glu_fwd(gate, up, "gelu_tanh")
 
 
 def swiglu_packed(gate_up):
     """swiglu of [gate | up] packed along the last dimension (the output of one
     fused gate+up projection): [..., 2F] -> [..., F]. Its gradient is one
     [..., 2F] tensor, written in place of the two halves."""
-    return _ops.glu_packed_fwd(gate_up, "silu")
+    return _glu.glu_packed_fwd(gate_up, "silu")
 
 
 def geglu_packed(gate_up):
     """geglu of [gate | up] packed along the last dimension."""
-    return _ops.glu_packed_fwd(gate_up, "gelu_tanh")
+    return _glu.glu_packed_fwd(gate_up, "gelu_tanh")
 
 
 def _rows(t):
@@ -195,12 +195,12 @@ class _GLUMLP(torch.autograd.Function):
                 bgu = bg if given_packed else None if bg is None and bu is None else torch.cat(
                     [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
                 gate_up = torch.nn.functional.linear(x, wgu, bgu)
-                h = _ops.glu_packed_fwd(gate_up, activation)
+                h = _glu.glu_packed_fwd(gate_up, activation)
                 ctx.save_for_backward(x, gate_up, wgu, wd)
             else:
                 gate = torch.nn.functional.linear(x, wg, bg)
                 up = torch.nn.functional.linear(x, wu, bu)
-                h = _ops.glu_fwd(gate, up, activation)
+                h = _glu.glu_fwd(gate, up, activation)
                 ctx.save_for_backward(x, gate, up, wg, wu, wd)
             y = torch.nn.functional.linear(h, wd, bd)
         ctx.packed, ctx.given_packed = wgu is not None, given_packed
@@ -225,15 +225,15 @@ class _GLUMLP(torch.autograd.Function):
         # finds them changed (the ops bump their versions) and raises.
         h2 = dy2 @ wd
         if ctx.packed:
-            _ops.glu_packed_bwd_(h2, _rows(gate_up), ctx.activation)
+            _glu.glu_packed_bwd_(h2, _rows(gate_up), ctx.activation)
         elif torch.compiler.is_compiling():
             # New tensors: gate and up are inputs of the compiled backward,
             # which inductor copies before an op writes them (1.46 ms a step
             # of the ANCHORS Llama on an H100, for nothing).
-            h2, gate, up = _ops.glu_bwd_recompute(h2.view(gate.shape), gate, up, ctx.activation)
+            h2, gate, up = _glu.glu_bwd_recompute(h2.view(gate.shape), gate, up, ctx.activation)
             h2 = _rows(h2)
         else:
-            _ops.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
+            _glu.glu_bwd_(h2.view(gate.shape), gate, up, ctx.activation)
         dwd = dy2.t() @ h2 if need[3] else None
         del h2
         if ctx.packed:
@@ -391,7 +391,7 @@ def flash_attention(q, k, v, causal=False, scale=None, deterministic=False, wind
     if scale is None:
         scale = _default_scale(q)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    out, _ = _ops.attn_fwd(q, k, v, float(scale), bool(causal), deterministic, *_window(window_size),
+    out, _ = _attn.attn_fwd(q, k, v, float(scale), bool(causal), deterministic, *_window(window_size),
                            float(softcap))
     return out
 
@@ -425,7 +425,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if scale is None:
         scale = _default_scale(q)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    out, _ = _ops.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+    out, _ = _attn.attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                   float(scale), bool(causal), deterministic, *_window(window_size),
                                   float(softcap))
     return out
@@ -503,7 +503,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return t.reshape(-1, *t.shape[-3:]).transpose(1, 2)
     if scale is None:
         scale = _default_scale(q)
-    out, _ = _ops.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal),
+    out, _ = _attn.attn_fwd(bshd(q), bshd(k), bshd(v), float(scale), bool(is_causal),
                            torch.are_deterministic_algorithms_enabled())
     out = out.transpose(1, 2)  # (B, H, S, D), a view
     return out.reshape(*lead, *out.shape[1:])
@@ -543,7 +543,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     if _rope_gap(q, k, cos, sin, unsqueeze_dim) is None:
         qh, kh = (q.transpose(1, 2), k.transpose(1, 2)) if bshd else (q, k)
         if _rope_shapes_fit(qh, kh, cos, sin):
-            qo, ko = _ops.rope(qh, kh, cos, sin)
+            qo, ko = _rope.rope(qh, kh, cos, sin)
             return (qo.transpose(1, 2), ko.transpose(1, 2)) if bshd else (qo, ko)
     return reference.rope(q, k, cos, sin, unsqueeze_dim)
 
@@ -641,9 +641,9 @@ class _QKVAttention(torch.autograd.Function):
             if _mode_may_hold_outputs():
                 qkv = qkv.clone()  # RoPE below writes qkv: not the matmul's output, which the mode may keep
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
-            _ops.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
+            _rope.rope_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)
             det = torch.are_deterministic_algorithms_enabled()
-            out, lse = _ops.attn_fwd(q, k, v, scale, causal, det, *window, softcap)
+            out, lse = _attn.attn_fwd(q, k, v, scale, causal, det, *window, softcap)
         ctx.save_for_backward(x, qkv, w, out, lse, cos, sin)
         ctx.heads, ctx.scale, ctx.causal, ctx.det = (hq, hkv), scale, causal, det
         ctx.mask = (*window, softcap)
@@ -665,10 +665,10 @@ class _QKVAttention(torch.autograd.Function):
         hq, hkv = ctx.heads
         need = ctx.needs_input_grad
         q, k, v = qkv.split([hq, hkv, hkv], dim=2)
-        dqkv = _ops.attn_bwd_packed(dout.to(out.dtype).reshape(out.shape), q, k, v, out, lse, ctx.scale,
+        dqkv = _attn.attn_bwd_packed(dout.to(out.dtype).reshape(out.shape), q, k, v, out, lse, ctx.scale,
                                     ctx.causal, ctx.det, *ctx.mask)
         dq, dk, _ = dqkv.split([hq, hkv, hkv], dim=2)
-        _ops.rope_(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
+        _rope.rope_(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
         g = dqkv.view(-1, w.shape[0])
         rows = [hq * q.shape[3], hkv * q.shape[3], hkv * q.shape[3]]
         dx = (g @ w).view(x.shape) if need[0] else None
@@ -765,7 +765,7 @@ def _xent_device_gap(x):
 def _xent_f32(logits, target, ignore_index, reduction, num_items=None, label_smoothing=0.0):
     """The loss in fp32, reduced as asked; num_items replaces the mean's count
     of non-ignored targets (Hugging Face's num_items_in_batch)."""
-    loss, _ = _ops.xent_fwd(logits, target, ignore_index, float(label_smoothing))
+    loss, _ = _xent.xent_fwd(logits, target, ignore_index, float(label_smoothing))
     return _reduce(loss, target, ignore_index, reduction, num_items)
 
 
@@ -843,8 +843,8 @@ def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduct
     _linear_xent_ops.check_args(op, x, weight, bias, t, None, float(label_smoothing), float(softcap))
     kernel_reduction = "sum" if num_items is not None else reduction
     grads = [_needs_grad(a) for a in (x, weight)] + [bias is not None and _needs_grad(bias)]
-    loss = _ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction, float(label_smoothing),
-                                float(softcap), *grads)[0]
+    loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction,
+                                            float(label_smoothing), float(softcap), *grads)[0]
     if num_items is not None:
         loss = _reduce(loss, t, ignore_index, "mean", num_items)
     return loss.reshape(input.shape[:-1]) if reduction == "none" else loss

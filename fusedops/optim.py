@@ -33,6 +33,8 @@ float64 parameters raise.
 import torch
 from torch.optim.optimizer import Optimizer
 
+from .ops import adam as _adam
+
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
@@ -247,7 +249,7 @@ class FusedAdam(Optimizer):
             beta1, beta2 = (float(b) for b in group["betas"])
             buckets, write_back = self._buckets(group)
             for (device, _, _), b in buckets.items():
-                torch.ops.fusedops.adam_step(
+                _adam.adam_step(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["max_exp_avg_sqs"],
                     b["master_params"], b["steps"], 0.0 if lr_tensor is not None else float(lr),
                     beta1, beta2, float(group["eps"]), float(group["weight_decay"]),

@@ -157,3 +157,19 @@ def test_plot_has_a_panel_per_unit_and_direction(tmp_path, monkeypatch):
     axes = made[0][:, 0]
     assert [ax.get_title() for ax in axes] == ["fwd (GB/s)", "fwd+bwd (TFLOP/s)"]
     assert [ax.get_ylabel() for ax in axes] == ["GB/s / copy ceiling (wall time)", "TFLOP/s / matmul ceiling (wall time)"]
+
+
+def test_host_time_a_call_for_fusedops_and_eager(monkeypatch):
+    """The "host us/call" figures: a loop of back-to-back calls for fusedops
+    and eager (loop_time), not for other impls; the table shows both."""
+    monkeypatch.setattr(common, "graph_time", lambda fn, device, calls=10: None)
+    rows = common.run_case(make_case([]), torch.device("cpu"), {"GB/s": 1.0}, use_compile=False)
+    by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["fusedops"]["host_us"] > 0 and by_impl["eager"]["host_us"] > 0
+    assert "host_us" not in by_impl["other"]
+    meta = {"device": "cpu", "torch": torch.__version__, "git_commit": "0" * 40, "timer": "t",
+            "ceiling": {"GB/s": 1.0, "buffer_bytes": 1 << 20}, "device_type": "cpu"}
+    table = common.format_table(meta, rows)
+    assert "host us/call f/e" in table
+    f, e = by_impl["fusedops"]["host_us"], by_impl["eager"]["host_us"]
+    assert f < 100 and e < 100 and f"{f:.1f}/{e:.1f}" in table  # (x + 1 on 64 values: microseconds)

@@ -852,13 +852,13 @@ def test_functional_stats_only_for_a_backward(device, grad, monkeypatch):
     c = ln((5, 33), torch.bfloat16)
     inp = make_inputs(c, device)
     seen = []
-    real = FF._ops.add_norm_fwd
+    real = FF._norm.add_norm_fwd
 
     class Spy:
         def __call__(self, *args):
             seen.append(args[-1])
             return real(*args)
-    monkeypatch.setattr(FF, "_ops", type("O", (), {"add_norm_fwd": Spy()})())
+    monkeypatch.setattr(FF, "_norm", type("O", (), {"add_norm_fwd": Spy()})())
     x, r, w, b = (inp[k].detach().requires_grad_(grad) for k in ARGS)
     y, s = FF.fused_add_layer_norm(x, r, w, b)
     with torch.no_grad():

@@ -720,43 +720,53 @@ def test_deterministic(device, fn, any_threads):
 
 # --------------------------------------------------------------------------- autograd kernels
 
-# (id, make(device) -> (fn(*tensors) -> differentiable outputs, tensors), the
-# subsets of the tensors that require grad, the widest first). Each op's Autograd kernel is
-# fusedops.ops._common.register_autograd's.
+# (id, make(device, o) -> (fn(*tensors) -> differentiable outputs, tensors), the
+# subsets of the tensors that require grad, the widest first); o is torch.ops.fusedops
+# or EAGER. Each op's Autograd kernel is fusedops.ops._common.register_autograd's.
 AUTOGRAD = [
-    ("add_norm_fwd", lambda d: (lambda x, r, w, b: ops.add_norm_fwd(x, r, w, b, 1e-5, False, False)[:2],
+    ("add_norm_fwd", lambda d, o: (lambda x, r, w, b: o.add_norm_fwd(x, r, w, b, 1e-5, False, False)[:2],
                                 [randn((5, 33), torch.float32, d), randn((5, 33), torch.float32, d),
                                  randn(33, torch.float32, d), randn(33, torch.float32, d)]),
      [(0, 1, 2, 3), (2, 3), (1,), (0, 3)]),
-    ("add_norm_fwd_rms_defaults", lambda d: (lambda x, w: ops.add_norm_fwd(x, None, w, None, 1e-6, True, False)[:1],
+    ("add_norm_fwd_rms_defaults", lambda d, o: (lambda x, w: o.add_norm_fwd(x, None, w, None, 1e-6, True, False)[:1],
                                              [randn((5, 33), torch.bfloat16, d), randn(33, torch.float32, d)]),
      [(0, 1), (1,)]),
-    ("glu_fwd", lambda d: (lambda g, u: [ops.glu_fwd(g, u, "silu")],
+    ("glu_fwd", lambda d, o: (lambda g, u: [o.glu_fwd(g, u, "silu")],
                            [randn((5, 33), torch.float32, d), randn((5, 33), torch.float32, d)]),
      [(0, 1), (1,)]),
-    ("glu_packed_fwd", lambda d: (lambda gu: [ops.glu_packed_fwd(gu, "gelu_tanh")], [randn((5, 66), torch.float32, d)]),
+    ("glu_packed_fwd", lambda d, o: (lambda gu: [o.glu_packed_fwd(gu, "gelu_tanh")], [randn((5, 66), torch.float32, d)]),
      [(0,)]),
-    ("xent_fwd", lambda d: (lambda x: ops.xent_fwd(x, torch.arange(5, device=d) % 3 - 1, -1)[:1],
+    ("xent_fwd", lambda d, o: (lambda x: o.xent_fwd(x, torch.arange(5, device=d) % 3 - 1, -1)[:1],
                             [randn((5, 7), torch.float32, d)]),
      [(0,)]),
-    ("attn_fwd", lambda d: (lambda q, k, v: ops.attn_fwd(q, k, v, 0.25, True, True)[:1],
+    ("attn_fwd", lambda d, o: (lambda q, k, v: o.attn_fwd(q, k, v, 0.25, True, True)[:1],
                             [randn((1, 9, 2, 32), cuda_ok(d, torch.float32), d) for _ in range(3)]),
      [(0, 1, 2), (1,)]),
-    ("rope_defaults", lambda d: (lambda q, k, c, s: ops.rope(q, k, c, s),
+    ("rope_defaults", lambda d, o: (lambda q, k, c, s: o.rope(q, k, c, s),
                                  [randn((1, 2, 9, 16), torch.float32, d), randn((1, 1, 9, 16), torch.float32, d),
                                   randn((1, 9, 16), torch.float32, d), randn((1, 9, 16), torch.float32, d)]),
      [(0, 1), (1,)]),
 ]
 
 
+# The ops as fusedops' functions call them (fusedops.ops._common.eager_call):
+# outside torch.compile, not through the dispatcher's Python Autograd kernel.
+EAGER = type("Eager", (), {"add_norm_fwd": fusedops.ops.norm.add_norm_fwd, "glu_fwd": fusedops.ops.swiglu.glu_fwd,
+                           "glu_packed_fwd": fusedops.ops.swiglu.glu_packed_fwd,
+                           "xent_fwd": fusedops.ops.xent.xent_fwd, "attn_fwd": fusedops.ops.attention.attn_fwd,
+                           "rope": fusedops.ops.rope.rope})
+ROUTES = {"dispatcher": ops, "eager_call": EAGER}
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("make,subsets", [a[1:] for a in AUTOGRAD], ids=[a[0] for a in AUTOGRAD])
-def test_autograd_kernel(device, make, subsets):
+def test_autograd_kernel(device, make, subsets, route):
     """Gradients for just the inputs that require grad, the same as when all
     of them do; a second backward through the same graph (retain_graph) gives
     them again, bitwise; under no_grad the op records no graph. Arguments left
     at their defaults reach setup_context filled in (the _defaults cases)."""
     torch.manual_seed(0)
-    fn, ts = make(device)
+    fn, ts = make(device, ROUTES[route])
     outs = fn(*ts)
     weights = [torch.randn(o.shape, device=device) for o in outs]
 
@@ -778,6 +788,26 @@ def test_autograd_kernel(device, make, subsets):
             torch.testing.assert_close(got[i], every[i], msg=f"input {i} with {needed} requiring grad")
     with torch.no_grad():
         assert all(o.grad_fn is None for o in fn(*[t.detach().requires_grad_() for t in ts]))
+
+
+@pytest.mark.parametrize("make,subsets", [a[1:] for a in AUTOGRAD], ids=[a[0] for a in AUTOGRAD])
+def test_eager_call_is_the_op(device, make, subsets):
+    """The op as fusedops' functions call it and as torch.ops calls it: the
+    same outputs and gradients, bitwise, and the same autograd node."""
+    results = []
+    for o in ROUTES.values():
+        torch.manual_seed(0)
+        fn, ts = make(device, o)
+        xs = [t.detach().requires_grad_(i in subsets[0]) for i, t in enumerate(ts)]
+        outs = fn(*xs)
+        torch.manual_seed(1)
+        loss = sum((out.float() * torch.randn(out.shape, device=device)).sum() for out in outs)
+        grads = torch.autograd.grad(loss, [xs[i] for i in subsets[0]])
+        results.append((outs, grads, [type(out.grad_fn).__name__ for out in outs]))
+    (outs, grads, nodes), (outs2, grads2, nodes2) = results
+    assert nodes == nodes2
+    for a, b in zip([*outs, *grads], [*outs2, *grads2]):
+        assert torch.equal(bits(a), bits(b))
 
 
 # --------------------------------------------------------------------------- CUDA graphs

@@ -6,6 +6,7 @@ Every output and gradient is checked against fusedops.reference run in float64
 by the 2x rule (tests/tolerances.py), with the same reference run in the
 inputs' own dtype on the same device as the yardstick."""
 import copy
+import os
 
 import pytest
 import torch
@@ -153,6 +154,30 @@ def test_misaligned_pointers():
         g = randn((3, 72), torch.bfloat16, "cuda")[:, off:off + 64]
         u = randn((3, 72), torch.bfloat16, "cuda")[:, 8 - off:72 - off]
         check(FF.swiglu, reference.glu, [g, u], randn((3, 64), torch.bfloat16, "cuda"), f"offset {off}")
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
+def test_str_argument_keeps_the_heap_flat():
+    # torch 2.11-2.13's stable headers leak the unboxed copy of a str argument
+    # (fusedops::StrArg, csrc/common/shim.h), and on the CPU each lost block
+    # kept the freed outputs' memory from being reused: the resident size grew
+    # by the output's size (256 KiB here) every call.
+    gate, up = torch.randn(64, 1024), torch.randn(64, 1024)
+    calls = {"glu_fwd": lambda: FF.swiglu(gate, up), "glu_packed_fwd": lambda: FF.geglu_packed(
+        torch.cat([gate, up], -1))}
+    for name, call in calls.items():
+        for _ in range(50):
+            call()
+        before = _rss_bytes()
+        for _ in range(400):
+            call()
+        grown = _rss_bytes() - before
+        assert grown < 400 * 64 * 1024 * 4 // 8, f"{name}: the resident size grew by {grown} bytes in 400 calls"
 
 
 def test_outputs_are_dense(device):

@@ -463,3 +463,33 @@ inline void check_no_aliasing(const char *op, const std::vector<AliasArg> &args)
 }
 
 }  // namespace fusedops
+
+// ---- str arguments ----------------------------------------------------------------
+// A schema's `str` argument is taken as fusedops::StrArg, never std::string:
+// torch 2.11-2.13's stable headers unbox a str by copying it out of a
+// std::string they allocate and never free (torch 2.14 frees it). On the CPU
+// the lost block lands in memory the call's outputs had used, which then no
+// longer fits the next call's outputs: the heap grew by the outputs' size
+// every call. StrArg's conversion below frees what it reads, under every torch.
+namespace fusedops __attribute__((visibility("hidden"))) {
+struct StrArg {
+  std::string value;
+  operator const std::string &() const { return value; }
+};
+}  // namespace fusedops
+
+HIDDEN_NAMESPACE_BEGIN(torch, stable, detail)
+template <>
+struct ToImpl<fusedops::StrArg> {
+  static fusedops::StrArg call(StableIValue val, uint64_t, bool) {
+    StringHandle handle = to<StringHandle>(val);
+    size_t length;
+    const char *data;
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_length(handle, &length));
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_c_str(handle, &data));
+    fusedops::StrArg s{std::string(data, length)};
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_delete_string(handle));
+    return s;
+  }
+};
+HIDDEN_NAMESPACE_END(torch, stable, detail)

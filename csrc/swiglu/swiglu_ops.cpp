@@ -81,7 +81,7 @@ fo_glu_params glu_params(const char *op, Tensor &gate, Tensor &up, Tensor *dout,
   return p;
 }
 
-Tensor glu_fwd(Tensor gate, Tensor up, std::string activation) {
+Tensor glu_fwd(Tensor gate, Tensor up, StrArg activation) {
   const char *op = "fusedops.glu_fwd";
   fo_glu_params p = glu_params(op, gate, up, nullptr, activation);
   Tensor out = empty_like_shape(gate, gate.scalar_type(), op, "out");
@@ -108,14 +108,14 @@ std::tuple<Tensor, Tensor> glu_bwd_into(const char *op, Tensor &dout, Tensor &ga
   return {dgate, dup};
 }
 
-std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, std::string activation) {
+std::tuple<Tensor, Tensor> glu_bwd(Tensor dout, Tensor gate, Tensor up, StrArg activation) {
   return glu_bwd_into("fusedops.glu_bwd", dout, gate, up, activation, nullptr);
 }
 
 // glu_bwd_'s results in new tensors (for torch.compile, which copies a
 // backward graph's inputs before an op writes them).
 std::tuple<Tensor, Tensor, Tensor> glu_bwd_recompute(Tensor dout, Tensor gate, Tensor up,
-                                                     std::string activation) {
+                                                     StrArg activation) {
   Tensor out = dout;
   auto [dgate, dup] = glu_bwd_into("fusedops.glu_bwd_recompute", dout, gate, up, activation, &out);
   return {out, dgate, dup};
@@ -138,7 +138,7 @@ void check_overwritable(const char *op, std::initializer_list<std::pair<const ch
 // In place, for a caller that has no further use for its inputs
 // (fusedops.functional.glu_mlp's backward): dgate over gate, dup over up, and
 // the forward's output act(gate) * up over dout (all three dense).
-void glu_bwd_(Tensor dout, Tensor gate, Tensor up, std::string activation) {
+void glu_bwd_(Tensor dout, Tensor gate, Tensor up, StrArg activation) {
   const char *op = "fusedops.glu_bwd_";
   check_overwritable(op, {{"dout", &dout}, {"gate", &gate}, {"up", &up}});
   fo_glu_params p = glu_params(op, gate, up, &dout, activation);
@@ -176,7 +176,7 @@ fo_glu_params packed_params(const char *op, Tensor &gate_up, Tensor *dout,
   return p;
 }
 
-Tensor glu_packed_fwd(Tensor gate_up, std::string activation) {
+Tensor glu_packed_fwd(Tensor gate_up, StrArg activation) {
   const char *op = "fusedops.glu_packed_fwd";
   std::vector<int64_t> half;
   fo_glu_params p = packed_params(op, gate_up, nullptr, activation, half);
@@ -188,7 +188,7 @@ Tensor glu_packed_fwd(Tensor gate_up, std::string activation) {
 }
 
 // dgate_up: [dgate | dup] side by side, rows of 2 cols.
-Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
+Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, StrArg activation) {
   const char *op = "fusedops.glu_packed_bwd";
   std::vector<int64_t> half;
   fo_glu_params p = packed_params(op, gate_up, &dout, activation, half);
@@ -202,7 +202,7 @@ Tensor glu_packed_bwd(Tensor dout, Tensor gate_up, std::string activation) {
 
 // glu_packed_bwd in place: [dgate | dup] over gate_up, act(gate) * up over
 // dout (both dense).
-void glu_packed_bwd_(Tensor dout, Tensor gate_up, std::string activation) {
+void glu_packed_bwd_(Tensor dout, Tensor gate_up, StrArg activation) {
   const char *op = "fusedops.glu_packed_bwd_";
   check_overwritable(op, {{"dout", &dout}, {"gate_up", &gate_up}});
   std::vector<int64_t> half;

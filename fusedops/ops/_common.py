@@ -8,6 +8,8 @@
   differentiated (without it, torch's fallback returns zero second-order
   gradients with only a warning).
 - once_only: the same refusal for the backward of an autograd.Function.
+- eager_call: an op as fusedops' own functions call it, without the
+  dispatcher's round trip through the Python kernels above.
 - register_mutating: the Autograd and ADInplaceOrView kernels of an op that
   writes its inputs (glu_bwd_, glu_packed_bwd_, adam_step). The op bumps the
   version counter of every tensor it writes, as torch's in-place ops do, so that
@@ -22,6 +24,13 @@ import os
 import torch
 
 _lib = torch.library.Library("fusedops", "IMPL")
+# Looked up once: each is called on every op call.
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_below_inplace = torch._C._AutoDispatchBelowADInplaceOrView
+_after_autograd = torch._C._after_autograd_keyset
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_is_compiling = torch.compiler.is_compiling
 
 
 def _flat(name, value):
@@ -60,11 +69,13 @@ def register_autograd(op, backward, setup_context):
     defaults are read once. Only what fusedops' schemas use is supported: no
     keyword-only arguments, no tensor lists (torch's kernel handles both).
     FUSEDOPS_TORCH_AUTOGRAD=1 at import registers torch's kernel instead, for
-    comparison (tools/ci/host_overhead.py)."""
+    comparison (tools/ci/host_overhead.py).
+
+    Returns the op as fusedops' own Python calls it (eager_call)."""
+    overload = getattr(torch.ops.fusedops, op).default
     if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1":
         torch.library.register_autograd(f"fusedops::{op}", backward, setup_context=setup_context)
-        return
-    overload = getattr(torch.ops.fusedops, op).default
+        return overload
     schema = overload._schema
     for a in schema.arguments:
         if a.kwarg_only or isinstance(a.type, torch.ListType):
@@ -72,14 +83,14 @@ def register_autograd(op, backward, setup_context):
                                       f"({a.type}, kwarg_only={a.kwarg_only}); expected positional "
                                       "arguments without tensor lists")
     defaults = tuple(a.default_value for a in schema.arguments)
-    after_autograd = torch._C._after_autograd_keyset
-    below_autograd = torch._C._AutoDispatchBelowAutograd
+    raw = overload._op
+    redispatch = overload._handle.redispatch_boxed
 
-    def forward(ctx, *args):  # args: the op's arguments, then the dispatch keyset
+    def forward(ctx, *args):  # args: the op's arguments, then the dispatch keyset (None: eager_call)
         keyset = args[-1]
         args = args[:-1]
-        with below_autograd():
-            output = overload.redispatch(keyset & after_autograd, *args)
+        with _below_autograd():
+            output = raw(*args) if keyset is None else redispatch(keyset & _after_autograd, *args)
         setup_context(ctx, args + defaults[len(args):], output)  # the dispatcher drops defaults
         return output
 
@@ -95,12 +106,35 @@ def register_autograd(op, backward, setup_context):
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
 
     def autograd_kernel(keyset, *args):
-        if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if _grad_enabled() and _any_requires_grad(*args):
             return function.apply(*args, keyset)
-        with below_autograd():
-            return overload.redispatch(keyset & after_autograd, *args)
+        with _below_autograd():
+            return redispatch(keyset & _after_autograd, *args)
 
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
+    return eager_call(overload, lambda *args: function.apply(*args, None))
+
+
+def eager_call(overload, with_grad):
+    """fusedops::<op> as fusedops' functions call it: the same op, the same
+    autograd formula, without the dispatcher's round trip through the Python
+    Autograd kernel (arguments boxed into Python and back, then a redispatch:
+    half the host time of a small call). Outside torch.compile, a call whose
+    inputs take a gradient goes to with_grad(*args) (the autograd.Function
+    that the Autograd kernel applies), any other runs the op below autograd,
+    where that kernel would send it. torch.compile sees the op itself, and
+    traces its Autograd kernel and fake kernel as before."""
+    raw = overload._op
+
+    def call(*args):
+        if _is_compiling():
+            return overload(*args)
+        if _grad_enabled() and _any_requires_grad(*args):
+            return with_grad(*args)
+        with _below_autograd():
+            return raw(*args)
+
+    return call
 
 
 def double_backward_error(name):
@@ -115,7 +149,7 @@ def no_double_backward(op):
     def backward(ctx, *grads):
         raise double_backward_error(op)
 
-    register_autograd(op, backward, lambda ctx, inputs, output: None)
+    return register_autograd(op, backward, lambda ctx, inputs, output: None)
 
 
 def once_only(name):
@@ -138,11 +172,16 @@ def once_only(name):
 
 def register_mutating(op):
     """Autograd and ADInplaceOrView kernels for fusedops::<op>, an op that
-    writes the arguments its schema marks (a!)."""
+    writes the arguments its schema marks (a!). Returns the op as fusedops'
+    own Python calls it: the two kernels' work done in one Python call, then
+    the op below them."""
     overload = getattr(torch.ops.fusedops, op).default
     schema = overload._schema
     written = [(i, a.name) for i, a in enumerate(schema.arguments)
                if a.alias_info is not None and a.alias_info.is_write]
+
+    raw = overload._op
+    redispatch = overload._handle.redispatch_boxed
 
     def tensors_written(args, kwargs):
         for i, name in written:
@@ -159,8 +198,8 @@ def register_mutating(op):
                 out.extend(value)
         return out
 
-    def autograd_kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled():  # (an optimizer step runs under no_grad: nothing to check)
+    def refuse_grad(args, kwargs):
+        if _grad_enabled():  # (an optimizer step runs under no_grad: nothing to check)
             for name, t in tensors_written(args, kwargs):
                 if t.requires_grad:
                     raise RuntimeError(
@@ -168,15 +207,26 @@ def register_mutating(op):
                         "expected no tensor that requires grad among the written arguments "
                         "(the op has no gradient: call it under torch.no_grad(), as an optimizer "
                         "step does)")
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        refuse_grad(args, kwargs)
+        with _below_autograd():
+            return redispatch(keyset & _after_autograd, *args, **kwargs)
 
     def inplace_kernel(keyset, *args, **kwargs):
         # one call for all (inference tensors, which have no version, are skipped by torch)
         torch.autograd.graph.increment_version(values_written(args, kwargs))
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return overload.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
-                                       **kwargs)
+        with _below_inplace():
+            return redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    def call(*args, **kwargs):  # both kernels' work, then the op below them (see eager_call)
+        if _is_compiling():
+            return overload(*args, **kwargs)
+        refuse_grad(args, kwargs)
+        torch.autograd.graph.increment_version(values_written(args, kwargs))
+        with _below_inplace():
+            return raw(*args, **kwargs)
 
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
     _lib.impl(op, inplace_kernel, "ADInplaceOrView", with_keyset=True)
+    return call

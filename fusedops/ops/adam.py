@@ -26,4 +26,4 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, maste
     return None
 
 
-register_mutating("adam_step")
+adam_step = register_mutating("adam_step")  # the op as fusedops calls it (_common.eager_call)

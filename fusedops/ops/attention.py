@@ -25,7 +25,6 @@ import torch
 
 from ._common import check_one_device, no_double_backward, register_autograd
 
-_ops = torch.ops.fusedops
 
 
 @torch.library.register_fake("fusedops::attn_fwd")
@@ -77,7 +76,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _ops.attn_bwd(dout, q, k, v, out, lse, *ctx.args)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -91,12 +90,13 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _ops.attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 10
 
 
-register_autograd("attn_fwd", _backward, _setup_context)
-register_autograd("attn_varlen_fwd", _varlen_backward, _varlen_setup_context)
-no_double_backward("attn_bwd")
-no_double_backward("attn_bwd_packed")
-no_double_backward("attn_varlen_bwd")
+# The ops as fusedops calls them (_common.eager_call).
+attn_fwd = register_autograd("attn_fwd", _backward, _setup_context)
+attn_varlen_fwd = register_autograd("attn_varlen_fwd", _varlen_backward, _varlen_setup_context)
+attn_bwd = no_double_backward("attn_bwd")
+attn_bwd_packed = no_double_backward("attn_bwd_packed")
+attn_varlen_bwd = no_double_backward("attn_varlen_bwd")

@@ -32,9 +32,9 @@ keep every chunk's logits alive for the backward.
 """
 import torch
 
+from . import xent as _xent
 from ._common import _lib, check_one_device, double_backward_error, no_double_backward, register_autograd
 
-_ops = torch.ops.fusedops
 REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -156,7 +156,7 @@ def _chunked_grads(input, weight, bias, target, dloss, loss, ignore_index, label
     for i, (a, b) in enumerate(chunks):
         x = input[a:b]
         z = _logits(x, weight, bias, buf[:b - a])
-        loss[a:b] = _ops.xent_fwd_bwd_(z, target[a:b], dloss[a:b], ignore_index, label_smoothing, softcap)
+        loss[a:b] = _xent.xent_fwd_bwd_(z, target[a:b], dloss[a:b], ignore_index, label_smoothing, softcap)
         if input_grad:
             torch.mm(z, weight, out=dinput[a:b])
         if weight_grad:
@@ -196,7 +196,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
             buf = input.new_empty((min(step, rows), classes))
             for a, b in chunks:
                 z = _logits(input[a:b], weight, bias, buf[:b - a])
-                loss[a:b] = _ops.xent_fwd(z, target[a:b], ignore_index, label_smoothing, softcap)[0]
+                loss[a:b] = _xent.xent_fwd(z, target[a:b], ignore_index, label_smoothing, softcap)[0]
         if reduction == "sum":
             loss = loss.sum()
         elif reduction == "mean":
@@ -277,7 +277,7 @@ def _backward(ctx, dloss, *_):
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         raise double_backward_error("linear_xent_fwd")
     if ctx.none:
-        grads = _ops.linear_xent_bwd(dloss, *ctx.saved_tensors, *ctx.args)
+        grads = linear_xent_bwd(dloss, *ctx.saved_tensors, *ctx.args)
     else:
         # The forward's gradients times the loss's, in place in eager, so
         # that dweight is not allocated twice (the saved tensors are handed
@@ -292,5 +292,6 @@ def _backward(ctx, dloss, *_):
     return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 8
 
 
-register_autograd("linear_xent_fwd", _backward, _setup_context)
-no_double_backward("linear_xent_bwd")
+# The ops as fusedops calls them (_common.eager_call).
+linear_xent_fwd = register_autograd("linear_xent_fwd", _backward, _setup_context)
+linear_xent_bwd = no_double_backward("linear_xent_bwd")

@@ -16,7 +16,6 @@ import torch
 
 from ._common import check_one_device, no_double_backward, register_autograd
 
-_ops = torch.ops.fusedops
 
 
 def s_dtype(x, residual, residual_in_fp32):
@@ -88,7 +87,7 @@ def _backward(ctx, dy, ds, dmean, drstd):
         dy = torch.zeros_like(s, dtype=ctx.x_dtype)
     if ctx.s_is_x:
         ds = None  # the op returned an empty placeholder for s
-    dx, dw, db = _ops.add_norm_bwd(
+    dx, dw, db = add_norm_bwd(
         dy, ds, s, weight, bias, mean, rstd, ctx.rms,
         bool(need_w and ctx.has_weight), bool(need_b and ctx.has_bias))
     gx = gres = None
@@ -101,5 +100,6 @@ def _backward(ctx, dy, ds, dmean, drstd):
     return gx, gres, gw, gb, None, None, None, None
 
 
-register_autograd("add_norm_fwd", _backward, _setup_context)
-no_double_backward("add_norm_bwd")
+# The ops as fusedops calls them (_common.eager_call).
+add_norm_fwd = register_autograd("add_norm_fwd", _backward, _setup_context)
+add_norm_bwd = no_double_backward("add_norm_bwd")

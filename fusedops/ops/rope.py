@@ -13,7 +13,6 @@ import torch
 
 from ._common import check_one_device, register_autograd, register_mutating
 
-_ops = torch.ops.fusedops
 
 
 def _out_like(x, inverse):  # [B, H, S, D]; with inverse [B, S, H, D] in memory (rope_ops.cpp)
@@ -41,9 +40,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    gq, gk = _ops.rope(dq, dk, cos, sin, not ctx.inverse)
+    gq, gk = rope(dq, dk, cos, sin, not ctx.inverse)
     return gq, gk, None, None, None
 
 
-register_autograd("rope", _backward, _setup)
-register_mutating("rope_")
+# The ops as fusedops calls them (_common.eager_call).
+rope = register_autograd("rope", _backward, _setup)
+rope_ = register_mutating("rope_")

@@ -15,7 +15,6 @@ import torch
 
 from ._common import check_one_device, no_double_backward, register_autograd, register_mutating
 
-_ops = torch.ops.fusedops
 
 
 def _half_shape(gate_up):
@@ -71,19 +70,21 @@ def _save_inputs(ctx, inputs, output):
 
 def _glu_backward(ctx, dout):
     gate, up = ctx.saved_tensors
-    dgate, dup = _ops.glu_bwd(dout, gate, up, ctx.activation)
+    dgate, dup = glu_bwd(dout, gate, up, ctx.activation)
     need_gate, need_up = ctx.needs_input_grad[:2]
     return (dgate if need_gate else None), (dup if need_up else None), None
 
 
 def _glu_packed_backward(ctx, dout):
     (gate_up,) = ctx.saved_tensors
-    return _ops.glu_packed_bwd(dout, gate_up, ctx.activation), None
+    return glu_packed_bwd(dout, gate_up, ctx.activation), None
 
 
-register_autograd("glu_fwd", _glu_backward, _save_inputs)
-register_autograd("glu_packed_fwd", _glu_packed_backward, _save_inputs)
-for _op in ("glu_bwd", "glu_bwd_recompute", "glu_packed_bwd"):
-    no_double_backward(_op)
-for _op in ("glu_bwd_", "glu_packed_bwd_"):
-    register_mutating(_op)
+# The ops as fusedops calls them (_common.eager_call).
+glu_fwd = register_autograd("glu_fwd", _glu_backward, _save_inputs)
+glu_packed_fwd = register_autograd("glu_packed_fwd", _glu_packed_backward, _save_inputs)
+glu_bwd = no_double_backward("glu_bwd")
+glu_bwd_recompute = no_double_backward("glu_bwd_recompute")
+glu_packed_bwd = no_double_backward("glu_packed_bwd")
+glu_bwd_ = register_mutating("glu_bwd_")
+glu_packed_bwd_ = register_mutating("glu_packed_bwd_")

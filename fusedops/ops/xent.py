@@ -14,7 +14,6 @@ import torch
 
 from ._common import check_one_device, no_double_backward, register_autograd, register_mutating
 
-_ops = torch.ops.fusedops
 
 
 @torch.library.register_fake("fusedops::xent_fwd")
@@ -47,9 +46,10 @@ def _backward(ctx, dloss, dlse):
     logits, target, lse = ctx.saved_tensors
     if dloss is None or not ctx.needs_input_grad[0]:
         return None, None, None, None, None
-    return _ops.xent_bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
+    return xent_bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
 
 
-register_autograd("xent_fwd", _backward, _setup_context)
-no_double_backward("xent_bwd")
-register_mutating("xent_fwd_bwd_")
+# The ops as fusedops calls them (_common.eager_call).
+xent_fwd = register_autograd("xent_fwd", _backward, _setup_context)
+xent_bwd = no_double_backward("xent_bwd")
+xent_fwd_bwd_ = register_mutating("xent_fwd_bwd_")
