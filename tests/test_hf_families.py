@@ -24,7 +24,7 @@ import torch
 
 import fusedops
 from test_hf_semantics import _check_same, _signature
-from test_patch import CONVERGENCE_RTOL, _grads, _hf_model, _hf_run, _markov_batches
+from test_patch import CONVERGENCE_RTOL, _grads, _hf_model, _hf_run, _loss_curve, _markov_batches
 from tolerances import assert_close_2x
 
 pytest.importorskip("transformers")
@@ -249,17 +249,9 @@ def test_convergence(case):
         assert isinstance(model, transformers.PreTrainedModel)
         if patched:
             fusedops.patch(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        losses = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for x in data:
-                loss = model(x, labels=x).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-        return torch.tensor(losses, dtype=torch.float64)
+            return _loss_curve(model, data, 1e-3)
 
     plain, patched = train(False), train(True)
     rel = ((patched - plain).abs() / plain).max().item()

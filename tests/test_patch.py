@@ -555,6 +555,20 @@ def test_hf_torch_compile(monkeypatch):
 
 
 # --------------------------------------------------------------- convergence
+def _loss_curve(model, data, lr):
+    """The losses (float64) of training model with AdamW at lr, one step a
+    batch of data, each batch its own labels."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for x in data:
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
 def _markov_batches(steps, batch, seq, vocab, seed=0):
     """Token sequences from a random sparse Markov chain (each token has 4
     equally likely successors): the loss can fall from ln(vocab) to ln(4)."""
@@ -593,15 +607,7 @@ def test_convergence():
         model = transformers.LlamaForCausalLM(cfg)
         if patched:
             fusedops.patch(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        losses = []
-        for x in data:
-            loss = model(x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return torch.tensor(losses, dtype=torch.float64)
+        return _loss_curve(model, data, 3e-3)
 
     plain, patched = train(False), train(True)
     rel = ((patched - plain).abs() / plain).max().item()

@@ -121,11 +121,11 @@ fo_attn_params mask_params(const char *op, bool causal, int64_t window_left, int
 // number of tokens of q (k), no sequence longer than max_seqlen_q (_k). On a
 // GPU the values are the caller's to keep, as FlashAttention's: reading them
 // would synchronise the stream inside the op.
-void check_cu_values(const char *op, const char *arg, const Tensor &host, int64_t total, const char *of,
+void check_cu_values(const char *op, const char *arg, const Tensor &cu, int64_t total, const char *of,
                      int64_t max_len, const char *max_arg) {
-  if (!host.is_cpu()) return;
-  const int32_t *c = static_cast<const int32_t *>(host.data_ptr());
-  const int64_t n = host.size(0), st = host.stride(0);
+  if (!cu.is_cpu()) return;
+  const int32_t *c = static_cast<const int32_t *>(cu.data_ptr());
+  const int64_t n = cu.size(0), st = cu.stride(0);
   STD_TORCH_CHECK(c[0] == 0, op, ": ", arg, "[0] is ", c[0], ", expected 0 (the prefix sums of the sequence lengths)");
   for (int64_t b = 0; b + 1 < n; ++b)
     STD_TORCH_CHECK(c[(b + 1) * st] >= c[b * st], op, ": ", arg, " decreases from ", c[b * st], " to ",
