@@ -51,8 +51,8 @@ def test_host_overhead_runs_with_either_autograd_kernel():
                              capture_output=True, text=True,
                              env={**os.environ, "FUSEDOPS_TORCH_AUTOGRAD": env}).stdout
         assert f"autograd kernels: {kernel}" in out
-        rows = [line for line in out.splitlines() if line.startswith("| ") and "impl" not in line]
-        assert len(rows) == 12 and all(len(r.split("|")) == 7 for r in rows), out
+        rows = [line for line in out.splitlines() if line.startswith("| ") and "no_grad" not in line]
+        assert len(rows) == 11 and all(len(r.split("|")) == 8 for r in rows), out
 
 
 def test_norm_offgrid_runs_the_shapes_given(tmp_path):

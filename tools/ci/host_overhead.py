@@ -5,8 +5,11 @@ so small that the kernels take no time: what a call costs the Python thread
     python tools/ci/host_overhead.py [--device cuda] [--rounds 5] [--calls 3000]
 
 Each figure is the best of --rounds loops of --calls calls, in microseconds a
-call; fwd+bwd is the forward, then torch.autograd.backward with given output
-gradients. With FUSEDOPS_TORCH_AUTOGRAD=1 in the environment fusedops
+call, fusedops' and eager's loops taking turns; fwd+bwd is the forward, then
+torch.autograd.backward with given output gradients. One table: every op
+(the norms plain and with the residual add, swiglu / geglu, glu_mlp, rope,
+cross_entropy, flash_attention) and an AdamW step (no_grad column: torch's
+AdamW with its defaults for the device). With FUSEDOPS_TORCH_AUTOGRAD=1 in the environment fusedops
 registers each op's autograd formula through torch.library.register_autograd
 instead of its own kernel (fusedops.ops._common.register_autograd), for
 comparison. On CUDA a loop ends with a synchronize, and the kernels of these
@@ -31,17 +34,22 @@ from fusedops import functional as FF, reference  # noqa: E402
 def cases(d):
     """(name, fusedops fn, eager fn, inputs that require grad): fn(*inputs) -> outputs."""
     t = lambda *shape: torch.randn(*shape, device=d)  # noqa: E731
-    H = 64
+    H, F_ = 64, 128
     ln = lambda x, r, w, b: (F.layer_norm(x + r, (H,), w, b), x + r)  # noqa: E731
     rms = lambda x, r, w: (F.rms_norm(x + r, (H,), w, 1e-6), x + r)  # noqa: E731
     adt = torch.float32 if d == "cpu" else torch.bfloat16
     qkv = [t(1, 16, 2, 32).to(adt) for _ in range(3)]
     cos, sin = t(1, 16, 32), t(1, 16, 32)
     tgt = torch.randint(0, 100, (8,), device=d)
+    mlp = lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
     return [
+        ("layer_norm", FF.layer_norm, lambda x, w, b: F.layer_norm(x, (H,), w, b), [t(4, H), t(H), t(H)]),
+        ("rms_norm", FF.rms_norm, lambda x, w: F.rms_norm(x, (H,), w, 1e-6), [t(4, H), t(H)]),
         ("add+layer_norm", FF.fused_add_layer_norm, ln, [t(4, H), t(4, H), t(H), t(H)]),
         ("add+rms_norm", FF.fused_add_rms_norm, rms, [t(4, H), t(4, H), t(H)]),
-        ("swiglu", FF.swiglu, lambda g, u: F.silu(g) * u, [t(4, 128), t(4, 128)]),
+        ("swiglu", FF.swiglu, lambda g, u: F.silu(g) * u, [t(4, F_), t(4, F_)]),
+        ("geglu", FF.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u, [t(4, F_), t(4, F_)]),
+        ("glu_mlp", FF.glu_mlp, mlp, [t(4, H), t(F_, H), t(F_, H), t(H, F_)]),
         ("rope", lambda q, k: FF.apply_rotary_pos_emb(q, k, cos, sin),
          lambda q, k: reference.rope(q, k, cos, sin), [t(1, 2, 16, 32), t(1, 2, 16, 32)]),
         ("cross_entropy", lambda x: FF.cross_entropy(x, tgt), lambda x: F.cross_entropy(x, tgt), [t(8, 100)]),
@@ -51,17 +59,33 @@ def cases(d):
     ]
 
 
-def per_call(fn, calls, rounds, sync):
-    for _ in range(min(calls, 300)):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def adamw_steps(d):
+    """(fusedops step, torch's step): AdamW over four small tensors with
+    gradients, torch's optimizer with its defaults for the device."""
+    def make(cls):
+        ps = [torch.nn.Parameter(torch.randn(*s, device=d)) for s in ((64, 64), (64,), (128, 64), (64,))]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return cls(ps, lr=1e-3).step
+    return make(fusedops.optim.FusedAdamW), make(torch.optim.AdamW)
+
+
+def per_call(fns, calls, rounds, sync):
+    """Microseconds a call of each fn, the best of `rounds` loops of `calls`;
+    the fns take turns each round, so that a busy spell of the machine falls
+    on all of them."""
+    for fn in fns:
+        for _ in range(min(calls, 300)):
             fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
     return best
 
 
@@ -74,26 +98,41 @@ def main():
     kernel = ("torch.library.register_autograd" if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1"
               else "fusedops' register_autograd")
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    if a.device == "cpu":
+        # One thread: at these sizes eager's ops would otherwise fork parallel
+        # regions, whose waits on a busy machine swamp the host time measured.
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"host us a call, {a.device}, torch {torch.__version__}, fusedops {fusedops.__version__}, "
-          f"autograd kernels: {kernel}")
-    print("| op | impl | no_grad fwd | fwd | fwd+bwd |\n|---|---|---:|---:|---:|")
+          f"autograd kernels: {kernel}; each cell fusedops / eager, ratio = fusedops / eager")
+    print("| op | no_grad fwd | fwd | fwd+bwd | ratio fwd | ratio fwd+bwd |\n|---|---:|---:|---:|---:|---:|")
     for name, ours, eager, xs in cases(a.device):
         leaves = [x.requires_grad_() for x in xs]
         outs = ours(*leaves)
         outs = outs if isinstance(outs, tuple) else (outs,)
         douts = [torch.randn_like(o) for o in outs]
-        for impl, fn in (("fusedops", ours), ("eager", eager)):
-            def fwd_ng():
-                with torch.no_grad():
-                    fn(*leaves)
-
-            def fwd_bwd():
-                o = fn(*leaves)
-                torch.autograd.backward(o if isinstance(o, tuple) else (o,), douts)
-
-            r = [per_call(f, a.calls, a.rounds, sync) for f in (fwd_ng, lambda: fn(*leaves), fwd_bwd)]
-            print(f"| {name} | {impl} | {r[0]:.1f} | {r[1]:.1f} | {r[2]:.1f} |", flush=True)
+        figures = []
+        for kind in ("no_grad", "fwd", "fwd+bwd"):
+            fns = []
+            for fn in (ours, eager):
+                if kind == "no_grad":
+                    def call(fn=fn):
+                        with torch.no_grad():
+                            fn(*leaves)
+                elif kind == "fwd":
+                    def call(fn=fn):
+                        fn(*leaves)
+                else:
+                    def call(fn=fn):
+                        o = fn(*leaves)
+                        torch.autograd.backward(o if isinstance(o, tuple) else (o,), douts)
+                fns.append(call)
+            figures.append(per_call(fns, a.calls, a.rounds, sync))
+        cells = " | ".join(f"{f:.1f} / {e:.1f}" for f, e in figures)
+        print(f"| {name} | {cells} | {figures[1][0] / figures[1][1]:.2f} | {figures[2][0] / figures[2][1]:.2f} |",
+              flush=True)
+    f, e = per_call(adamw_steps(a.device), max(a.calls // 10, 1), a.rounds, sync)
+    print(f"| AdamW step (4 tensors) | {f:.1f} / {e:.1f} | | | {f / e:.2f} (step) | |", flush=True)
 
 
 if __name__ == "__main__":
