@@ -40,10 +40,14 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // rows; dloss [rows] fp32, any stride (0: one value for all).
   // label_smoothing e mixes the one-hot target with e / classes everywhere;
   // softcap c > 0 reads every logit x as c tanh(x / c) (Gemma 2's final layer).
+  // reduction "mean" or "sum": loss is the rows' mean or sum (0-d), reduced
+  // in the kernel, and count (0-d fp32) the rows not ignored; "none": loss
+  // [rows] and count empty. xent_bwd takes a 0-d dloss (a reduced loss's) for
+  // every row, divided by the forward's count where one is given (a mean).
   m.def("xent_fwd(Tensor logits, Tensor target, int ignore_index, float label_smoothing=0.0, "
-        "float softcap=0.0) -> (Tensor loss, Tensor lse)");
+        "float softcap=0.0, str reduction=\"none\") -> (Tensor loss, Tensor lse, Tensor count)");
   m.def("xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index, "
-        "float label_smoothing=0.0, float softcap=0.0) -> Tensor");
+        "float label_smoothing=0.0, float softcap=0.0, Tensor? count=None) -> Tensor");
   // xent_fwd's loss, and xent_bwd's dlogits (of dloss, [rows] fp32, any
   // stride) written over logits (unit stride along classes) in the same pass:
   // the fused linear cross-entropy's step on a chunk of logits.

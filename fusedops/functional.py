@@ -763,25 +763,17 @@ def _xent_device_gap(x):
 
 
 def _xent_f32(logits, target, ignore_index, reduction, num_items=None, label_smoothing=0.0):
-    """The loss in fp32, reduced as asked; num_items replaces the mean's count
-    of non-ignored targets (Hugging Face's num_items_in_batch)."""
-    loss, _ = _xent.xent_fwd(logits, target, ignore_index, float(label_smoothing))
-    return _reduce(loss, target, ignore_index, reduction, num_items)
-
-
-def _reduce(loss, target, ignore_index, reduction, num_items=None):
-    """Per-row losses reduced as torch's cross_entropy does; num_items
-    replaces the mean's count of non-ignored targets (Hugging Face's
+    """The loss in fp32, reduced as asked (in the kernel); num_items replaces
+    the mean's count of non-ignored targets (Hugging Face's
     num_items_in_batch: the sum divided by it)."""
-    if reduction == "none":
-        return loss
-    total = loss.sum()
-    if reduction == "sum" and num_items is None:
-        return total
-    count = (target != ignore_index).sum() if num_items is None else num_items
-    if torch.is_tensor(count):
-        count = count.to(total.device)
-    return total / count
+    if num_items is None or reduction == "none":
+        return _xent.xent_fwd(logits, target, ignore_index, float(label_smoothing), 0.0, reduction)[0]
+    return _per_item(_xent.xent_fwd(logits, target, ignore_index, float(label_smoothing), 0.0, "sum")[0], num_items)
+
+
+def _per_item(total, num_items):
+    """A summed loss divided by num_items (a number or a tensor)."""
+    return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
@@ -825,7 +817,7 @@ def _linear_xent_gap(input, weight, bias):
 def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                      softcap=0.0, num_items=None):
     """linear_cross_entropy's loss in fp32 (before the cast to input's dtype),
-    input [..., hidden] and target [...]; num_items as in _reduce (then the
+    input [..., hidden] and target [...]; num_items as in _xent_f32 (then the
     kernel sums). Under autocast input, weight and bias in its dtype, as
     torch's linear takes them."""
     op = "linear_cross_entropy"
@@ -846,7 +838,7 @@ def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduct
     loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction,
                                             float(label_smoothing), float(softcap), *grads)[0]
     if num_items is not None:
-        loss = _reduce(loss, t, ignore_index, "mean", num_items)
+        loss = _per_item(loss, num_items)
     return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
 
 

@@ -128,7 +128,7 @@ def test_target_out_of_range_is_nan_on_cuda():
     is the mean), the other rows are right."""
     x, t = make(5, 10, torch.bfloat16, "cuda", ignored=0.0)
     t[3] = 10
-    loss, _ = torch.ops.fusedops.xent_fwd(x, t, IGNORE)
+    loss, _, _ = torch.ops.fusedops.xent_fwd(x, t, IGNORE)
     assert loss[3].isnan() and not loss[[0, 1, 2, 4]].isnan().any()
     assert FF.cross_entropy(x, t).isnan()
 
@@ -154,9 +154,23 @@ def test_bad_input(device, over, match):
     raises_unchanged(torch.ops.fusedops.xent_fwd, args, match)
 
 
+def test_bad_reduction(device):
+    args = _bad(device)
+    args["reduction"] = "avg"
+    raises_unchanged(torch.ops.fusedops.xent_fwd, args,
+                     r"fusedops.xent_fwd: reduction is 'avg', expected 'none', 'mean' or 'sum'")
+
+
 def test_bad_input_bwd(device):
     x, t = make(4, 9, torch.float32, device)
-    loss, lse = torch.ops.fusedops.xent_fwd(x, t, IGNORE)
+    loss, lse, _ = torch.ops.fusedops.xent_fwd(x, t, IGNORE)
+    raises_unchanged(torch.ops.fusedops.xent_bwd, dict(dloss=loss[:3], logits=x, target=t, lse=lse,
+                                                       ignore_index=IGNORE),
+                     r"fusedops.xent_bwd: dloss has shape \[3\], expected \[4\] \(a value a row of logits\) "
+                     r"or \[\] \(the gradient of a mean or sum\)")
+    raises_unchanged(torch.ops.fusedops.xent_bwd, dict(dloss=loss, logits=x, target=t, lse=lse,
+                                                       ignore_index=IGNORE, count=lse[:1]),
+                     r"fusedops.xent_bwd: count has dtype float32 and shape \[1\], expected a float32 \[\]")
     raises_unchanged(torch.ops.fusedops.xent_bwd, dict(dloss=loss.half(), logits=x, target=t, lse=lse,
                                                        ignore_index=IGNORE),
                      r"fusedops.xent_bwd: dloss has dtype float16, expected float32")
@@ -183,12 +197,49 @@ def test_falls_back_to_torch(device):
     torch.testing.assert_close(FF.cross_entropy(x3, t.reshape(2, 2)), TF.cross_entropy(x3, t.reshape(2, 2)))
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_opcheck(device, dtype):
+def test_opcheck(device, dtype, reduction):
     x, t = make(6, 40, dtype, device)
-    torch.library.opcheck(torch.ops.fusedops.xent_fwd.default, (x.requires_grad_(), t, IGNORE))
-    loss, lse = torch.ops.fusedops.xent_fwd(x.detach(), t, IGNORE)
-    torch.library.opcheck(torch.ops.fusedops.xent_bwd.default, (torch.randn_like(loss), x.detach(), t, lse, IGNORE))
+    torch.library.opcheck(torch.ops.fusedops.xent_fwd.default, (x.requires_grad_(), t, IGNORE, 0.0, 0.0, reduction))
+    loss, lse, count = torch.ops.fusedops.xent_fwd(x.detach(), t, IGNORE, 0.0, 0.0, reduction)
+    torch.library.opcheck(torch.ops.fusedops.xent_bwd.default,
+                          (torch.randn_like(loss), x.detach(), t, lse, IGNORE, 0.0, 0.0,
+                           count if reduction == "mean" else None))
+
+
+@pytest.mark.parametrize("ignored", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("rows", [0, 1, 37, 2500])
+def test_kernel_reduction(device, rows, reduction, ignored):
+    """The op's own reduction (cross_entropy's only op): the loss a 0-d
+    tensor, count the rows not ignored, and the gradient through the op's
+    autograd against float64 by the 2x rule, ignored rows and all rows
+    ignored (a mean of nothing is NaN, as torch's) included."""
+    x, t = make(rows, 301, torch.bfloat16, device, ignored=ignored)
+    g = torch.tensor(1.3, device=device)
+    got = []
+    for xs in (x, x.float(), x.double()):  # the op (bf16), eager torch (bf16: its error), float64
+        leaf = xs.detach().requires_grad_()
+        if xs is x:
+            loss, lse, count = torch.ops.fusedops.xent_fwd(leaf, t, IGNORE, 0.0, 0.0, reduction)
+            assert loss.shape == () and count.shape == () and lse.shape == (rows,)
+            assert count.item() == (t != IGNORE).sum().item()
+        else:
+            loss = TF.cross_entropy(leaf if xs.dtype == torch.float64 else leaf.bfloat16(), t,
+                                    ignore_index=IGNORE, reduction=reduction)
+        loss.backward(g.to(loss.dtype))
+        got.append((loss, leaf.grad))
+    (loss, grad), (e_loss, e_grad), (w_loss, w_grad) = got
+    if rows == 0 or ignored == 1.0:
+        assert loss.isnan().item() == (reduction == "mean") and w_loss.isnan().item() == (reduction == "mean")
+        if reduction == "sum":
+            assert loss.item() == 0.0
+        if rows:
+            assert not grad.any()
+        return
+    assert_close_2x(loss, w_loss, e_loss.float(), f"{rows} {reduction} loss", scale=max(1.0, w_loss.abs().item()))
+    assert_close_2x(grad, w_grad, e_grad.to(grad.dtype), f"{rows} {reduction} dlogits")
 
 
 def test_torch_compile(device):

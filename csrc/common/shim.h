@@ -175,14 +175,29 @@ inline std::vector<int64_t> sizes_of(const Tensor &t) {
   return s;
 }
 
-// A new tensor of `sizes` and `dtype` on like's device: output `name` of `op`.
+// A new contiguous tensor of `sizes` and `dtype` on like's device: output
+// `name` of `op`. Through aoti_torch_empty_strided, which calls ATen's
+// empty_strided directly (the CPU allocator, or the CUDA caching allocator
+// under a guard for the device), not torch::stable::new_empty, which looks
+// the op up by name in the dispatcher and boxes its arguments on every call.
 inline Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes, ScalarType dtype,
                          const char *op = "fusedops", const char *name = "an output") {
-  try {
-    return torch::stable::new_empty(like, sizes, dtype);
-  } catch (const std::exception &) {
-    out_of_memory(op, name, sizes, dtype, device_name(like));
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  int64_t strides[8], *st = strides;
+  std::vector<int64_t> many;  // (more than 8 dimensions)
+  if (nd > 8) st = (many = std::vector<int64_t>(nd)).data();
+  for (int64_t d = nd - 1, s = 1; d >= 0; --d) {
+    st[d] = s;
+    s *= std::max<int64_t>(sizes[d], 1);
   }
+  int32_t device_type = 0;
+  AtenTensorHandle out = nullptr;
+  if (aoti_torch_get_device_type(like.get(), &device_type) != AOTI_TORCH_SUCCESS ||
+      aoti_torch_empty_strided(nd, sizes.data(), st,
+                               torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
+                               device_type, like.get_device_index(), &out) != AOTI_TORCH_SUCCESS)
+    out_of_memory(op, name, sizes, dtype, device_name(like));
+  return Tensor(out);
 }
 
 // A contiguous copy of t (argument `name` of `op`), or t if it is one.

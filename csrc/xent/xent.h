@@ -17,7 +17,10 @@
  * the forward (loss and lse), the backward (the gradient from a saved lse)
  * and both at once, the gradient written over the logits as soon as the
  * row's loss is known (fused linear cross-entropy: only a chunk's logits
- * exist, and they are gone once its gradient is there).
+ * exist, and they are gone once its gradient is there). The forward also
+ * reduces the rows' losses to their sum or mean where asked (the loss of
+ * cross_entropy's default reduction, with no op after the kernel), and the
+ * backward of a mean divides dloss by the count the forward gave.
  *
  * x is [rows, vocab] in its own dtype, unit stride along vocab, read once by
  * each pass; the row sums run in fp32 as an online max and sum of
@@ -42,8 +45,13 @@ typedef struct fo_xent_params {
   float smoothing;        /* label smoothing e in [0, 1] */
   float softcap;          /* c > 0, or 0: none */
   float *loss, *lse;      /* forward: [rows] fp32, dense (lse may be NULL with dlogits) */
+  float *total, *count;   /* forward, reduced (else NULL): [] fp32, the sum of loss over the rows (the
+                             mean with `mean`: divided by count), and count, the rows whose target
+                             is not ignore_index; a row order fixed, summed in double */
+  int mean;
   const float *dloss;     /* gradient: [rows] fp32, stride g_stride (0: one value for all rows) */
   int64_t g_stride;
+  const float *count_in;  /* gradient of a mean (else NULL): its count; each row's dloss divided by it */
   const float *lse_in;    /* backward: the forward's lse, dense; NULL: computed in the pass */
   void *dlogits;          /* gradient: [rows, vocab] dtype, row stride d_stride; may be logits */
   int64_t d_stride;
@@ -63,14 +71,20 @@ FO_HD float fo_xent_loss(const fo_xent_params *p, float lse, float zt, float zsu
                              : lse - (1.f - p->smoothing) * zt - p->smoothing / (float)p->vocab * zsum;
 }
 
+/* A row's weight in the gradient: dloss, divided by the count of a mean. */
+FO_HD float fo_xent_dloss(const fo_xent_params *p, int64_t r) {
+  const float g = p->dloss[r * p->g_stride];
+  return p->count_in ? g / p->count_in[0] : g;
+}
+
 /* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always.
- * fwd: loss and lse. bwd: dlogits from lse_in. fwd_bwd: loss (and lse if
+ * fwd: loss and lse, then total and count where asked. bwd: dlogits from lse_in. fwd_bwd: loss (and lse if
  * given) and dlogits in one pass over each row (dlogits may be logits). */
 const char *fo_xent_fwd_cpu(const fo_xent_params *p);
 const char *fo_xent_bwd_cpu(const fo_xent_params *p);
 const char *fo_xent_fwd_bwd_cpu(const fo_xent_params *p);
 
-/* CUDA (xent_cuda.cu): a block a row. Launch on `stream` (a cudaStream_t);
+/* CUDA (xent_cuda.cu): a block a row (and one block for total and count). Launch on `stream` (a cudaStream_t);
  * NULL on success or a static message naming the CUDA error. */
 const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream);
 const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream);

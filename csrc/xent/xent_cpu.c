@@ -104,7 +104,7 @@ static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
     return;
   }
   /* (no smoothing: no g * 0 term, which an infinite g would make NaN) */
-  const float g = p->dloss[r * p->g_stride], gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
+  const float g = fo_xent_dloss(p, r), gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
   const float gt = p->smoothing == 0.f ? g : g * (1.f - p->smoothing);
   const float c = p->softcap, ic = c > 0.f ? 1.f / c : 0.f;
   const char *row = row_at(p, r);
@@ -117,9 +117,22 @@ static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
   }
 }
 
+/* total and count from the rows' losses, in row order (deterministic). */
+static void reduce_rows(const fo_xent_params *p) {
+  double sum = 0.0;
+  int64_t n = 0;
+  for (int64_t r = 0; r < p->rows; ++r) {
+    sum += p->loss[r];
+    n += fo_xent_class(p, r) >= 0;
+  }
+  *p->count = (float)n;
+  *p->total = (float)(p->mean ? sum / (double)n : sum);  /* a mean of no rows: NaN, as torch's */
+}
+
 const char *FO_FN(fo_xent_fwd_cpu)(const fo_xent_params *p) {
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r);
+  if (p->total) reduce_rows(p);
   return NULL;
 }
 FO_ENTRY(const char *, fo_xent_fwd_cpu, (const fo_xent_params *p), (p))

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
   }
   if constexpr (BWD) {
     // (no smoothing: no g * 0 term, which an infinite g would make NaN)
-    const float g = p.dloss[r * p.g_stride], gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
+    const float g = fo_xent_dloss(&p, r), gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
     const float gt = p.smoothing == 0.f ? g : g * (1.f - p.smoothing);
     const float lse2 = lse * kLog2e, ic = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) {
@@ -131,6 +131,39 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
       }
       store_f<VEC>(dx + j, v);
     }
+  }
+}
+
+// total and count from the rows' losses (xent.h): one block, each thread a
+// strided share of the rows in double, combined in a fixed order.
+constexpr int kReduceThreads = 1024;
+
+__global__ void __launch_bounds__(kReduceThreads) reduce_rows(const fo_xent_params p) {
+  __shared__ double ssum[kReduceThreads / 32];
+  __shared__ long long scount[kReduceThreads / 32];
+  double sum = 0.0;
+  long long n = 0;
+  for (int64_t r = threadIdx.x; r < p.rows; r += kReduceThreads) {
+    sum += p.loss[r];
+    n += fo_xent_class(&p, r) >= 0;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    n += __shfl_xor_sync(0xffffffffu, n, o);
+  }
+  if (threadIdx.x % 32 == 0) {
+    ssum[threadIdx.x / 32] = sum;
+    scount[threadIdx.x / 32] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kReduceThreads / 32; ++w) {
+      sum += ssum[w];
+      n += scount[w];
+    }
+    *p.count = (float)n;
+    *p.total = (float)(p.mean ? sum / (double)n : sum);  // a mean of no rows: NaN, as torch's
   }
 }
 
@@ -148,9 +181,16 @@ int vec_width(const fo_xent_params &p, bool bwd, int esize) {
 
 template <bool FWD, bool BWD>
 const char *launch(const fo_xent_params *p, void *stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (FWD && !BWD && p->total) {  // the rows, then their reduction
+    fo_xent_params rows = *p;
+    rows.total = rows.count = nullptr;
+    if (const char *err = launch<true, false>(&rows, stream)) return err;
+    reduce_rows<<<1, kReduceThreads, 0, s>>>(*p);
+    return last_error();
+  }
   if (p->rows == 0) return nullptr;
   if (p->rows > 0x7FFFFFFF) return "more than 2^31 - 1 rows";
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   with_type(p->dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kMax = 16 / sizeof(T);

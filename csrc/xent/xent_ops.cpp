@@ -47,39 +47,64 @@ fo_xent_params xent_params(const char *op, Tensor &logits, const Tensor &target,
   return p;
 }
 
-std::tuple<Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore_index, double label_smoothing,
-                                    double softcap) {
+// loss: the rows' losses ("none"), or their "mean" or "sum" (0-d) with
+// count, the rows not ignored (0-d; [0] with "none"), which the gradient of
+// the mean divides by.
+std::tuple<Tensor, Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_t ignore_index,
+                                            double label_smoothing, double softcap, StrArg reduction) {
   const char *op = "fusedops.xent_fwd";
+  const std::string &red = reduction;
+  STD_TORCH_CHECK(red == "none" || red == "mean" || red == "sum", op, ": reduction is '", red,
+                  "', expected 'none', 'mean' or 'sum'");
   fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
-  Tensor loss = empty_1d(logits, p.rows, ScalarType::Float, op, "loss");
+  const bool reduced = red != "none";
+  Tensor rows_loss = empty_1d(logits, p.rows, ScalarType::Float, op, "loss");
   Tensor lse = empty_1d(logits, p.rows, ScalarType::Float, op, "lse");
-  p.loss = static_cast<float *>(loss.data_ptr());
+  Tensor loss = reduced ? new_output(logits, {}, ScalarType::Float, op, "loss") : rows_loss;
+  Tensor count = reduced ? new_output(logits, {}, ScalarType::Float, op, "count")
+                         : empty_1d(logits, 0, ScalarType::Float, op, "count");
+  p.loss = static_cast<float *>(rows_loss.data_ptr());
   p.lse = static_cast<float *>(lse.data_ptr());
-  if (p.rows > 0)
+  if (reduced) {
+    p.total = static_cast<float *>(loss.data_ptr());
+    p.count = static_cast<float *>(count.data_ptr());
+    p.mean = red == "mean";
+  }
+  if (p.rows > 0 || reduced)
     run_kernel(op, "logits", logits, [&] { return fo_xent_fwd_cpu(&p); },
                [&](void *stream) { return fo_xent_fwd_cuda(&p, stream); });
-  return {loss, lse};
+  return {loss, lse, count};
 }
 
-// A [rows] fp32 argument (a value a row of logits) on logits' device.
-void check_row_values(const char *op, const char *arg, const Tensor &t, const Tensor &logits, int64_t rows) {
+// A [rows] fp32 argument (a value a row of logits) on logits' device; with
+// scalar_ok a 0-d one too (one value for every row).
+void check_row_values(const char *op, const char *arg, const Tensor &t, const Tensor &logits, int64_t rows,
+                      bool scalar_ok = false) {
   check_same_device(op, arg, t, logits, "logits");
   STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, op, ": ", arg, " has dtype ", dtype_name(t.scalar_type()),
                   ", expected float32");
-  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, op, ": ", arg, " has shape ", shape_str(t), ", expected [",
-                  rows, "] (a value a row of logits)");
+  STD_TORCH_CHECK((t.dim() == 1 && t.size(0) == rows) || (scalar_ok && t.dim() == 0), op, ": ", arg, " has shape ",
+                  shape_str(t), ", expected [", rows, "] (a value a row of logits)",
+                  scalar_ok ? " or [] (the gradient of a mean or sum)" : "");
 }
 
 Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t ignore_index, double label_smoothing,
-                double softcap) {
+                double softcap, std::optional<Tensor> count) {
   const char *op = "fusedops.xent_bwd";
   fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
-  check_row_values(op, "dloss", dloss, logits, p.rows);
+  check_row_values(op, "dloss", dloss, logits, p.rows, true);
   check_row_values(op, "lse", lse, logits, p.rows);
+  if (count) {
+    check_same_device(op, "count", *count, logits, "logits");
+    STD_TORCH_CHECK(count->scalar_type() == ScalarType::Float && count->dim() == 0, op, ": count has dtype ",
+                    dtype_name(count->scalar_type()), " and shape ", shape_str(*count),
+                    ", expected a float32 [] (xent_fwd's count of a mean)");
+    p.count_in = static_cast<const float *>(count->data_ptr());
+  }
   lse = unit_last(lse, op, "lse");
   Tensor dlogits = new_output(logits, {p.rows, p.vocab}, logits.scalar_type(), op, "dlogits");
   p.dloss = static_cast<const float *>(dloss.data_ptr());
-  p.g_stride = dloss.stride(0);
+  p.g_stride = dloss.dim() ? dloss.stride(0) : 0;
   p.lse_in = static_cast<const float *>(lse.data_ptr());
   p.dlogits = dlogits.data_ptr();
   p.d_stride = p.vocab;

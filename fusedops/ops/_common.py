@@ -31,6 +31,9 @@ _after_autograd = torch._C._after_autograd_keyset
 _grad_enabled = torch._C.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
 _is_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_Tensor = torch.Tensor
 
 
 def _flat(name, value):
@@ -94,25 +97,36 @@ def register_autograd(op, backward, setup_context):
         setup_context(ctx, args + defaults[len(args):], output)  # the dispatcher drops defaults
         return output
 
-    def backward_(ctx, *grads):
-        needs = ctx.needs_input_grad
-        ctx.needs_input_grad = needs[:-1]  # without the keyset's entry; restored for retain_graph
-        try:
-            return (*backward(ctx, *grads), None)
-        finally:
-            ctx.needs_input_grad = needs
+    def backward_(ctx, *grads):  # (ctx.needs_input_grad ends with the keyset's entry: read it by position)
+        return (*backward(ctx, *grads), None)
 
     function = type(f"fusedops_{op}", (torch.autograd.Function,),  # grad_fn: fusedops_<op>Backward
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    apply = function_apply(function)
 
     def autograd_kernel(keyset, *args):
         if _grad_enabled() and _any_requires_grad(*args):
-            return function.apply(*args, keyset)
+            return apply(*args, keyset)
         with _below_autograd():
             return redispatch(keyset & _after_autograd, *args)
 
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
-    return eager_call(overload, lambda *args: function.apply(*args, None))
+    return eager_call(overload, function_apply(function, None))
+
+
+def function_apply(function, *tail):
+    """apply(*args): function.apply(*args, *tail) (a torch.autograd.Function)
+    with less Python a call. Outside functorch transforms Function.apply
+    unwraps dead functorch wrappers among the arguments and calls the C
+    apply; this does the same without its classmethod frames and generator."""
+    base = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+
+    def apply(*args):
+        if _functorch_active():
+            return function.apply(*args, *tail)
+        return base(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args], *tail)
+
+    return apply
 
 
 def eager_call(overload, with_grad):

@@ -1,31 +1,41 @@
 """Fake kernels and autograd for fusedops::xent_fwd / xent_bwd (cross-entropy).
 
 Schemas (csrc/library.cpp):
-  xent_fwd(logits, target, ignore_index, label_smoothing=0, softcap=0) -> (loss, lse)
-  xent_bwd(dloss, logits, target, lse, ignore_index, label_smoothing=0, softcap=0) -> dlogits
+  xent_fwd(logits, target, ignore_index, label_smoothing=0, softcap=0, reduction="none")
+      -> (loss, lse, count)
+  xent_bwd(dloss, logits, target, lse, ignore_index, label_smoothing=0, softcap=0, count=None) -> dlogits
   xent_fwd_bwd_(logits!, target, dloss, ignore_index, label_smoothing=0, softcap=0) -> loss
       # xent_bwd's dlogits written over the logits (fusedops/ops/linear_xent.py)
 
-logits [rows, classes] (fp32, fp16 or bf16), target [rows] int64; loss and lse
-are fp32 [rows]. The backward reads the saved logits and lse again: nothing of
-the size of the logits is kept beyond the logits themselves. lse takes no
+logits [rows, classes] (fp32, fp16 or bf16), target [rows] int64; lse is fp32
+[rows]; loss is fp32 [rows] with reduction "none", else the mean or sum of the
+rows (0-d), reduced in the kernel, with count (0-d fp32) the rows not
+ignored, by which the mean's backward divides ("none": count is empty). The
+backward reads the saved logits and lse again: nothing of the size of the
+logits is kept beyond the logits themselves. lse and count take no
 gradient; target none either."""
 import torch
 
 from ._common import check_one_device, no_double_backward, register_autograd, register_mutating
 
+REDUCTIONS = ("none", "mean", "sum")
 
 
 @torch.library.register_fake("fusedops::xent_fwd")
-def _xent_fwd_fake(logits, target, ignore_index, label_smoothing=0.0, softcap=0.0):
+def _xent_fwd_fake(logits, target, ignore_index, label_smoothing=0.0, softcap=0.0, reduction="none"):
     check_one_device("xent_fwd", logits=logits, target=target)
+    if reduction not in REDUCTIONS:
+        raise RuntimeError(f"fusedops.xent_fwd: reduction is '{reduction}', expected 'none', 'mean' or 'sum'")
     rows = logits.shape[0]
-    return logits.new_empty((rows,), dtype=torch.float32), logits.new_empty((rows,), dtype=torch.float32)
+    reduced = reduction != "none"
+    return (logits.new_empty(() if reduced else (rows,), dtype=torch.float32),
+            logits.new_empty((rows,), dtype=torch.float32),
+            logits.new_empty(() if reduced else (0,), dtype=torch.float32))
 
 
 @torch.library.register_fake("fusedops::xent_bwd")
-def _xent_bwd_fake(dloss, logits, target, lse, ignore_index, label_smoothing=0.0, softcap=0.0):
-    check_one_device("xent_bwd", dloss=dloss, logits=logits, target=target, lse=lse)
+def _xent_bwd_fake(dloss, logits, target, lse, ignore_index, label_smoothing=0.0, softcap=0.0, count=None):
+    check_one_device("xent_bwd", dloss=dloss, logits=logits, target=target, lse=lse, count=count)
     return logits.new_empty(logits.shape)
 
 
@@ -36,17 +46,18 @@ def _xent_fwd_bwd_fake(logits, target, dloss, ignore_index, label_smoothing=0.0,
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, *ctx.args = inputs  # ignore_index, label_smoothing, softcap
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(logits, target, lse)
+    logits, target, ignore_index, label_smoothing, softcap, reduction = inputs
+    _, lse, count = output
+    ctx.args = ignore_index, label_smoothing, softcap
+    ctx.mark_non_differentiable(lse, count)
+    ctx.save_for_backward(logits, target, lse, count if reduction == "mean" else None)
 
 
-def _backward(ctx, dloss, dlse):
-    logits, target, lse = ctx.saved_tensors
+def _backward(ctx, dloss, dlse, dcount):
+    logits, target, lse, count = ctx.saved_tensors
     if dloss is None or not ctx.needs_input_grad[0]:
-        return None, None, None, None, None
-    return xent_bwd(dloss, logits, target, lse, *ctx.args), None, None, None, None
+        return None, None, None, None, None, None
+    return xent_bwd(dloss, logits, target, lse, *ctx.args, count), None, None, None, None, None
 
 
 # The ops as fusedops calls them (_common.eager_call).
