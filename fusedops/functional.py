@@ -11,8 +11,14 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from . import reference
 from .ops import attention as _attn, linear_xent as _linear_xent_ops, norm as _norm, rope as _rope
 from .ops import swiglu as _glu, xent as _xent
-from .ops._common import once_only
+from .ops._common import function_apply, once_only
 
+# Looked up once: each is called on every call of a function below.
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_is_compiling = torch.compiler.is_compiling
+_autocast_available = torch._C._is_autocast_available
+_autocast_enabled = torch.is_autocast_enabled
 
 
 def autocast_dtype(device_type):
@@ -20,9 +26,14 @@ def autocast_dtype(device_type):
     autocast is off there (or has no such device: meta tensors; under
     torch.compile tensors are on real devices, and the availability check is
     left out of the trace)."""
-    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+    if not _is_compiling() and not _autocast_available(device_type):
         return None
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return torch.get_autocast_dtype(device_type) if _autocast_enabled(device_type) else None
+
+
+def device_type(t):
+    """t.device.type, without making a torch.device for the common two."""
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
 
 
 # What torch.autocast does to the torch ops these functions stand for (ATen's
@@ -40,7 +51,7 @@ def _lower_precision(*ts):
     """ts cast to their device's autocast dtype, as autocast casts the inputs of
     an op of its lower-precision list; as they are when autocast is off or one
     is not a kernel dtype (float64, which autocast leaves alone)."""
-    dt = autocast_dtype(ts[0].device.type)
+    dt = autocast_dtype(device_type(ts[0]))
     if dt is None or any(t.dtype not in _KERNEL_DTYPES for t in ts):
         return ts
     return tuple(t.to(dt) for t in ts)
@@ -66,27 +77,23 @@ def _cuda_autocast_fp32(op):
 def _norm_input(x, op):
     """x as CUDA autocast hands it to torch's `op`: in fp32 where that op is
     on autocast's fp32 list."""
-    if (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and autocast_dtype("cuda")
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and autocast_dtype("cuda")
             and _cuda_autocast_fp32(op)):
         return x.float()
     return x
 
 
-def _param(t, x):
+def _add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32):
     # Parameters may be in x's dtype or fp32. Anything else (an fp16 weight under
     # bf16 autocast, say) is widened to fp32, which is exact for fp16/bf16.
-    if t is None or t.dtype in (x.dtype, torch.float32):
-        return t
-    return t.float()
-
-
-def _add_norm(x, residual, weight, bias, eps, rms, residual_in_fp32):
+    if weight is not None and weight.dtype != x.dtype and weight.dtype != torch.float32:
+        weight = weight.float()
+    if bias is not None and bias.dtype != x.dtype and bias.dtype != torch.float32:
+        bias = bias.float()
     # The per-row statistics are for the backward: none without one (what an
     # inference graph of torch.compile computes too).
-    stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, weight, bias))
-    y, s, _, _ = _norm.add_norm_fwd(
-        x, residual, _param(weight, x), _param(bias, x), float(eps), rms, residual_in_fp32, stats)
+    stats = _needs_grad(x, residual, weight, bias)
+    y, s, _, _ = _norm.add_norm_fwd(x, residual, weight, bias, float(eps), rms, residual_in_fp32, stats)
     if s.numel() == 0 and s.shape != x.shape:  # s was not stored: it is x
         s = x
     return y, s
@@ -177,9 +184,9 @@ class _GLUMLP(torch.autograd.Function):
     parameter's own dtype."""
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation):
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation):  # ctx None: no autograd (glu_mlp)
         orig = (x, wg, wu, wd, bg, bu, bd)
-        dev = x.device.type
+        dev = device_type(x)
         given_packed = wu is None  # wg is [Wg; Wu] and bg [bg; bu] (glu_mlp's packed form)
         wgu = wg if given_packed else _joint_weight(wg, wu)
         dt = autocast_dtype(dev)
@@ -196,13 +203,16 @@ class _GLUMLP(torch.autograd.Function):
                     [b if b is not None else torch.zeros_like(wg[:, 0]) for b in (bg, bu)])
                 gate_up = torch.nn.functional.linear(x, wgu, bgu)
                 h = _glu.glu_packed_fwd(gate_up, activation)
-                ctx.save_for_backward(x, gate_up, wgu, wd)
+                saved = (x, gate_up, wgu, wd)
             else:
                 gate = torch.nn.functional.linear(x, wg, bg)
                 up = torch.nn.functional.linear(x, wu, bu)
                 h = _glu.glu_fwd(gate, up, activation)
-                ctx.save_for_backward(x, gate, up, wg, wu, wd)
+                saved = (x, gate, up, wg, wu, wd)
             y = torch.nn.functional.linear(h, wd, bd)
+        if ctx is None:
+            return y
+        ctx.save_for_backward(*saved)
         ctx.packed, ctx.given_packed = wgu is not None, given_packed
         ctx.activation = activation
         ctx.dtypes = [None if t is None else t.dtype for t in orig]
@@ -260,7 +270,8 @@ class _GLUMLP(torch.autograd.Function):
 
 def _check_mlp(x, wg, wu, wd, bg, bu, bd, activation):
     """glu_mlp's arguments, checked before any matmul: a RuntimeError naming
-    the argument, what was given and what is expected."""
+    the argument, what was given and what is expected. (The messages are
+    made only for an argument that fails.)"""
     def fail(what):
         raise RuntimeError(f"fusedops.glu_mlp: {what}")
 
@@ -272,29 +283,35 @@ def _check_mlp(x, wg, wu, wd, bg, bu, bd, activation):
     if packed and bu is not None:
         fail("up_bias is given without up_weight; with gate_weight packed as [gate; up], gate_bias holds both")
     h, f = x.shape[-1], wg.shape[0] // (2 if packed else 1) if wg.dim() == 2 else None
-    rows = "half the rows" if packed else "the rows"
-    want = {"gate_weight": (wg, f"[{'2F' if packed else 'F'}, {h}] ({h}: the last dimension of x)"),
-            "up_weight": (wu, "the shape of gate_weight"),
-            "down_weight": (wd, f"[H, {f}] ({f}: {rows} of gate_weight)"),
-            "gate_bias": (bg, f"[{wg.shape[0] if wg.dim() == 2 else None}]"), "up_bias": (bu, f"[{f}]"),
-            "down_bias": (bd, "[H] (H: the rows of down_weight)")}
-    shape_ok = {"gate_weight": wg.dim() == 2 and wg.shape[1] == h and not (packed and wg.shape[0] % 2),
-                "up_weight": packed or wu.shape == wg.shape,
-                "down_weight": wd.dim() == 2 and wd.shape[1] == f,
-                "gate_bias": bg is None or tuple(bg.shape) == (wg.shape[0],),
-                "up_bias": bu is None or tuple(bu.shape) == (f,),
-                "down_bias": bd is None or (wd.dim() == 2 and tuple(bd.shape) == (wd.shape[0],))}
-    autocast = autocast_dtype(x.device.type) is not None
-    for name, (t, expected) in want.items():
+    args = (("gate_weight", wg, wg.dim() == 2 and wg.shape[1] == h and not (packed and wg.shape[0] % 2)),
+            ("up_weight", wu, packed or wu.shape == wg.shape),
+            ("down_weight", wd, wd.dim() == 2 and wd.shape[1] == f),
+            ("gate_bias", bg, bg is None or (bg.dim() == 1 and wg.dim() == 2 and bg.shape[0] == wg.shape[0])),
+            ("up_bias", bu, bu is None or (bu.dim() == 1 and bu.shape[0] == f)),
+            ("down_bias", bd, bd is None or (bd.dim() == 1 and wd.dim() == 2 and bd.shape[0] == wd.shape[0])))
+    xdev, xdt, autocast = x.device, x.dtype, None
+    for name, t, shape_ok in args:
         if t is None:
             continue
-        if t.device != x.device:
-            fail(f"{name} is on {t.device} but x is on {x.device}; all tensors must be on one device")
-        if not shape_ok[name]:
+        if t.device != xdev:
+            fail(f"{name} is on {t.device} but x is on {xdev}; all tensors must be on one device")
+        if not shape_ok:
+            rows = "half the rows" if packed else "the rows"
+            expected = {"gate_weight": f"[{'2F' if packed else 'F'}, {h}] ({h}: the last dimension of x)",
+                        "up_weight": "the shape of gate_weight",
+                        "down_weight": f"[H, {f}] ({f}: {rows} of gate_weight)",
+                        "gate_bias": f"[{wg.shape[0] if wg.dim() == 2 else None}]", "up_bias": f"[{f}]",
+                        "down_bias": "[H] (H: the rows of down_weight)"}[name]
             fail(f"{name} has shape {list(t.shape)}, expected {expected}")
-        if t.dtype != x.dtype and not autocast:
-            fail(f"{name} has dtype {str(t.dtype)[6:]}, expected the dtype of x ({str(x.dtype)[6:]}), "
-                 "or a call under torch.autocast")
+        if t.dtype != xdt:
+            if autocast is None:
+                autocast = autocast_dtype(device_type(x)) is not None
+            if not autocast:
+                fail(f"{name} has dtype {str(t.dtype)[6:]}, expected the dtype of x ({str(xdt)[6:]}), "
+                     "or a call under torch.autocast")
+
+
+_glu_mlp_apply = function_apply(_GLUMLP)
 
 
 def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None,
@@ -306,8 +323,10 @@ def glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None
     [W_gate; W_up] of one gate-up projection ([2F, H], Phi-3's gate_up_proj),
     gate_bias (if any) [b_gate; b_up], and its gradient comes as one tensor."""
     _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-    return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-                         activation)
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+    if _is_compiling() or _needs_grad(*args[:7]):
+        return _glu_mlp_apply(*args)
+    return _GLUMLP.forward(None, *args)  # nothing to record: the same forward, without autograd.Function
 
 
 # --------------------------------------------------------------------------- attention
@@ -327,7 +346,13 @@ _CUDA_FWD, _CUDA_BWD = _has_cuda_kernel("attn_fwd"), _has_cuda_kernel("attn_bwd"
 
 
 def _needs_grad(*ts):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    """Whether autograd records a call on ts (tensors or None). (torch.compile
+    cannot trace _any_requires_grad, a C function.)"""
+    if not _grad_enabled():
+        return False
+    if _is_compiling():
+        return any(t is not None and t.requires_grad for t in ts)
+    return _any_requires_grad(*ts)
 
 
 def _cuda_gap(dtype, head_dim, needs_grad):
@@ -352,7 +377,7 @@ def _kernel_call(name, q, k, v):
     kernels (cast as autocast casts SDPA's inputs); raises where the device's
     kernels do not take the call (never falls back)."""
     q, k, v = _lower_precision(q, k, v)
-    if q.device.type == "cuda":
+    if q.is_cuda:
         gap = _cuda_gap(q.dtype, q.shape[-1], _needs_grad(q, k, v))
         if gap is not None:
             raise RuntimeError(f"fusedops.{name}: not supported: {gap}")
@@ -755,11 +780,9 @@ def _xent_gap(logits, target, weight, label_smoothing):
 
 def _xent_device_gap(x):
     """Why the cross-entropy kernels cannot run on x's device (None if they can)."""
-    if x.device.type == "cuda" and not _CUDA_XENT:
-        return "no CUDA cross-entropy kernel in this build"
-    if x.device.type not in ("cpu", "cuda"):
-        return f"{x.device.type} tensors"
-    return None
+    if x.is_cuda:
+        return None if _CUDA_XENT else "no CUDA cross-entropy kernel in this build"
+    return None if x.is_cpu else f"{x.device.type} tensors"
 
 
 def _xent_f32(logits, target, ignore_index, reduction, num_items=None, label_smoothing=0.0):
@@ -799,9 +822,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                           "kernel; calling torch's", stacklevel=2)
         return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)
-    loss = _xent_f32(input, target, ignore_index, reduction, label_smoothing=label_smoothing)
+    loss = _xent_f32(input, target, ignore_index, reduction, None, label_smoothing)
     # Under autocast torch computes cross_entropy in fp32 and returns that.
-    return loss if autocast_dtype(input.device.type) else loss.to(input.dtype)
+    return loss if input.dtype == torch.float32 or autocast_dtype(device_type(input)) else loss.to(input.dtype)
 
 
 # --------------------------------------------------------------------------- linear + cross-entropy
@@ -868,4 +891,4 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
         return reference.linear_cross_entropy(input, weight, target, bias, ignore_index, reduction,
                                               label_smoothing, softcap)
     loss = _linear_xent_f32(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
-    return loss if autocast_dtype(input.device.type) else loss.to(input.dtype)
+    return loss if autocast_dtype(device_type(input)) else loss.to(input.dtype)

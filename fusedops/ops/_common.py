@@ -89,19 +89,30 @@ def register_autograd(op, backward, setup_context):
     raw = overload._op
     redispatch = overload._handle.redispatch_boxed
 
-    def forward(ctx, *args):  # args: the op's arguments, then the dispatch keyset (None: eager_call)
+    n = len(defaults)
+
+    def forward(ctx, *args):  # args: the op's arguments, then the Autograd kernel's dispatch keyset
         keyset = args[-1]
         args = args[:-1]
         with _below_autograd():
-            output = raw(*args) if keyset is None else redispatch(keyset & _after_autograd, *args)
+            output = redispatch(keyset & _after_autograd, *args)
         setup_context(ctx, args + defaults[len(args):], output)  # the dispatcher drops defaults
         return output
 
     def backward_(ctx, *grads):  # (ctx.needs_input_grad ends with the keyset's entry: read it by position)
         return (*backward(ctx, *grads), None)
 
-    function = type(f"fusedops_{op}", (torch.autograd.Function,),  # grad_fn: fusedops_<op>Backward
+    def eager_forward(ctx, *args):  # eager_call's: the op's arguments alone, the op called directly
+        with _below_autograd():
+            output = raw(*args)
+        setup_context(ctx, args if len(args) == n else args + defaults[len(args):], output)
+        return output
+
+    # grad_fn: fusedops_<op>Backward, from either
+    function = type(f"fusedops_{op}", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    eager_function = type(f"fusedops_{op}", (torch.autograd.Function,),
+                          {"forward": staticmethod(eager_forward), "backward": staticmethod(backward)})
     apply = function_apply(function)
 
     def autograd_kernel(keyset, *args):
@@ -111,20 +122,20 @@ def register_autograd(op, backward, setup_context):
             return redispatch(keyset & _after_autograd, *args)
 
     _lib.impl(op, autograd_kernel, "Autograd", with_keyset=True)
-    return eager_call(overload, function_apply(function, None))
+    return eager_call(overload, function_apply(eager_function))
 
 
-def function_apply(function, *tail):
-    """apply(*args): function.apply(*args, *tail) (a torch.autograd.Function)
-    with less Python a call. Outside functorch transforms Function.apply
-    unwraps dead functorch wrappers among the arguments and calls the C
-    apply; this does the same without its classmethod frames and generator."""
+def function_apply(function):
+    """function.apply (a torch.autograd.Function) with less Python a call.
+    Outside functorch transforms Function.apply unwraps dead functorch
+    wrappers among the arguments and calls the C apply; this does the same
+    without its classmethod frames and generator."""
     base = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
 
     def apply(*args):
         if _functorch_active():
-            return function.apply(*args, *tail)
-        return base(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args], *tail)
+            return function.apply(*args)
+        return base(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])
 
     return apply
 

@@ -71,10 +71,13 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.args = (scale, causal, bool(deterministic), window_left, window_right, softcap)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient
     ctx.save_for_backward(q, k, v, out, lse)
 
 
 def _backward(ctx, dout, dlse):
+    if dout is None:  # out took no part in what is differentiated
+        return (None,) * 9
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
@@ -85,10 +88,13 @@ def _varlen_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.args = (max_q, max_k, scale, causal, bool(deterministic), window_left, window_right, softcap)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
 
 
 def _varlen_backward(ctx, dout, dlse):
+    if dout is None:
+        return (None,) * 13
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 10

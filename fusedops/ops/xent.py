@@ -50,6 +50,7 @@ def _setup_context(ctx, inputs, output):
     _, lse, count = output
     ctx.args = ignore_index, label_smoothing, softcap
     ctx.mark_non_differentiable(lse, count)
+    ctx.set_materialize_grads(False)  # no zero tensors made for lse's and count's gradients
     ctx.save_for_backward(logits, target, lse, count if reduction == "mean" else None)
 
 

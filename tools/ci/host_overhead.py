@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fusedops  # noqa: E402
@@ -70,7 +71,7 @@ def adamw_steps(d):
     return make(fusedops.optim.FusedAdamW), make(torch.optim.AdamW)
 
 
-def per_call(fns, calls, rounds, sync):
+def per_call(fns, calls, rounds, sync, clock=time.perf_counter):
     """Microseconds a call of each fn, the best of `rounds` loops of `calls`;
     the fns take turns each round, so that a busy spell of the machine falls
     on all of them."""
@@ -81,12 +82,65 @@ def per_call(fns, calls, rounds, sync):
     best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(calls):
                 fn()
             sync()
-            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+            best[i] = min(best[i], (clock() - t0) / calls * 1e6)
     return best
+
+
+class _Record(TorchDispatchMode):
+    """The ops a call runs below autograd, in order: (op, args, kwargs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def ops_of(call):
+    """The ops call() runs below autograd (forward and backward ones), recorded once."""
+    with _Record() as r:
+        call()
+    return r.calls
+
+
+def replay(ops):
+    """A call of the recorded ops back to back, with their recorded arguments,
+    below autograd: the dispatcher and the kernels, no Python glue or autograd."""
+    def run():
+        with torch._C._AutoDispatchBelowAutograd():
+            for func, args, kwargs in ops:
+                func(*args, **kwargs)
+    return run
+
+
+def calls_of(fn, leaves, douts):
+    """The three ways a case is called: no_grad, fwd, fwd+bwd."""
+    def no_grad():
+        with torch.no_grad():
+            fn(*leaves)
+
+    def fwd():
+        fn(*leaves)
+
+    def fwd_bwd():
+        o = fn(*leaves)
+        torch.autograd.backward(o if isinstance(o, tuple) else (o,), douts)
+    return {"no_grad": no_grad, "fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def names(ops):
+    counts = {}
+    for func, _, _ in ops:
+        n = str(func).removesuffix(".default")
+        counts[n] = counts.get(n, 0) + 1
+    return ", ".join(f"{n}" + (f" x{c}" if c > 1 else "") for n, c in counts.items())
 
 
 def main():
@@ -94,45 +148,56 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--op", action="append", help="only this case (repeatable), e.g. --op add+layer_norm")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: this thread's CPU time (CPU only), for a machine busy with other work")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where a call's time goes: each function beside the ops it runs, replayed "
+                         "below autograd (the C++ kernels and the dispatcher alone), no_grad and fwd+bwd")
     a = ap.parse_args()
     kernel = ("torch.library.register_autograd" if os.environ.get("FUSEDOPS_TORCH_AUTOGRAD") == "1"
               else "fusedops' register_autograd")
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    if a.clock == "thread" and a.device != "cpu":
+        ap.error("--clock thread measures the CPU alone; with --device cuda the wait for the GPU is not counted")
+    clock = time.thread_time if a.clock == "thread" else time.perf_counter
     if a.device == "cpu":
         # One thread: at these sizes eager's ops would otherwise fork parallel
         # regions, whose waits on a busy machine swamp the host time measured.
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    print(f"host us a call, {a.device}, torch {torch.__version__}, fusedops {fusedops.__version__}, "
+    print(f"host us a call ({a.clock} clock), {a.device}, torch {torch.__version__}, fusedops {fusedops.__version__}, "
           f"autograd kernels: {kernel}; each cell fusedops / eager, ratio = fusedops / eager")
-    print("| op | no_grad fwd | fwd | fwd+bwd | ratio fwd | ratio fwd+bwd |\n|---|---:|---:|---:|---:|---:|")
+    if a.breakdown:
+        print("| op | kind | fusedops fn | its ops | its fusedops ops | eager fn | its ops | fusedops' ops |\n"
+              "|---|---|---:|---:|---:|---:|---:|---|")
+    else:
+        print("| op | no_grad fwd | fwd | fwd+bwd | ratio fwd | ratio fwd+bwd |\n|---|---:|---:|---:|---:|---:|")
     for name, ours, eager, xs in cases(a.device):
+        if a.op and name not in a.op:
+            continue
         leaves = [x.requires_grad_() for x in xs]
         outs = ours(*leaves)
         outs = outs if isinstance(outs, tuple) else (outs,)
         douts = [torch.randn_like(o) for o in outs]
-        figures = []
-        for kind in ("no_grad", "fwd", "fwd+bwd"):
-            fns = []
-            for fn in (ours, eager):
-                if kind == "no_grad":
-                    def call(fn=fn):
-                        with torch.no_grad():
-                            fn(*leaves)
-                elif kind == "fwd":
-                    def call(fn=fn):
-                        fn(*leaves)
-                else:
-                    def call(fn=fn):
-                        o = fn(*leaves)
-                        torch.autograd.backward(o if isinstance(o, tuple) else (o,), douts)
-                fns.append(call)
-            figures.append(per_call(fns, a.calls, a.rounds, sync))
+        ours_calls, eager_calls = calls_of(ours, leaves, douts), calls_of(eager, leaves, douts)
+        if a.breakdown:
+            for kind in ("no_grad", "fwd+bwd"):
+                ours_ops, eager_ops = ops_of(ours_calls[kind]), ops_of(eager_calls[kind])
+                own = [op for op in ours_ops if op[0].namespace == "fusedops"]
+                fns = [ours_calls[kind], replay(ours_ops), replay(own), eager_calls[kind], replay(eager_ops)]
+                t = per_call(fns, a.calls, a.rounds, sync, clock)
+                print(f"| {name} | {kind} | " + " | ".join(f"{x:.1f}" for x in t) + f" | {names(ours_ops)} |",
+                      flush=True)
+            continue
+        figures = [per_call([ours_calls[kind], eager_calls[kind]], a.calls, a.rounds, sync, clock)
+                   for kind in ("no_grad", "fwd", "fwd+bwd")]
         cells = " | ".join(f"{f:.1f} / {e:.1f}" for f, e in figures)
         print(f"| {name} | {cells} | {figures[1][0] / figures[1][1]:.2f} | {figures[2][0] / figures[2][1]:.2f} |",
               flush=True)
-    f, e = per_call(adamw_steps(a.device), max(a.calls // 10, 1), a.rounds, sync)
-    print(f"| AdamW step (4 tensors) | {f:.1f} / {e:.1f} | | | {f / e:.2f} (step) | |", flush=True)
+    if not a.breakdown and (not a.op or "adamw" in a.op):
+        f, e = per_call(adamw_steps(a.device), max(a.calls // 10, 1), a.rounds, sync, clock)
+        print(f"| AdamW step (4 tensors) | {f:.1f} / {e:.1f} | | | {f / e:.2f} (step) | |", flush=True)
 
 
 if __name__ == "__main__":
