@@ -160,6 +160,11 @@ def _joint_weight(*ws):
     if (torch.compiler.is_compiling() or type(w0) not in (torch.Tensor, torch.nn.Parameter)
             or w0.dim() != 2 or w0.numel() == 0):
         return None
+    addr, item = w0.data_ptr(), w0.element_size()
+    for w in ws:  # each at the address where the one before ends: a cheap test, which weights apart fail
+        if type(w) is not type(w0) or w.data_ptr() != addr:
+            return None
+        addr += w.numel() * item
     end = w0.storage_offset()
     for w in ws:
         if (type(w) is not type(w0) or w.dim() != 2 or w.shape[1] != w0.shape[1]

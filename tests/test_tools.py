@@ -55,6 +55,22 @@ def test_host_overhead_runs_with_either_autograd_kernel():
         assert len(rows) == 11 and all(len(r.split("|")) == 8 for r in rows), out
 
 
+def test_host_overhead_breakdown_names_the_ops_each_function_runs():
+    """--breakdown: each function beside the ops it runs, replayed below
+    autograd, no_grad and fwd+bwd; the fusedops ops a call runs named."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "ci" / "host_overhead.py"
+    out = subprocess.run([sys.executable, str(tool), "--calls", "3", "--rounds", "1", "--breakdown", "--clock",
+                          "thread", "--op", "layer_norm", "--op", "cross_entropy"], check=True,
+                         capture_output=True, text=True).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "kind" not in line]
+    assert [(r[0], r[1]) for r in rows] == [("| layer_norm", "no_grad"), ("| layer_norm", "fwd+bwd"),
+                                            ("| cross_entropy", "no_grad"), ("| cross_entropy", "fwd+bwd")], out
+    assert rows[0][-1] == "fusedops.add_norm_fwd |" and "fusedops.add_norm_bwd" in rows[1][-1], out
+    # cross_entropy's mean is the kernel's: one op forward, no torch op after it
+    assert rows[2][-1] == "fusedops.xent_fwd |" and "fusedops.xent_bwd" in rows[3][-1], out
+    assert all(float(x) > 0 for r in rows for x in r[2:7]), out
+
+
 def test_norm_offgrid_runs_the_shapes_given(tmp_path):
     """tools/ci/norm_offgrid.py runs the suite's norm cases at the shapes it is
     given, in place of the suite's own."""

@@ -543,11 +543,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
 // ---------------------------------------------------------------- launchers
 template <class K>
 const char *allow_smem(K *kernel, size_t smem) {
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
-          cudaSuccess)
-    return fo::last_error();
-  return nullptr;
+  return fo::grant_smem(kernel, smem) != cudaSuccess ? fo::last_error() : nullptr;
 }
 
 template <int D, bool kBanded, class T>

@@ -605,13 +605,11 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
       tensor_map(&maps[3], p.dout, p.dtype, p.B, p.Sq, p.Hq, D, p.dout_st, kM)) {
     using C = BwdWsConfig<D>;
     auto kernel = atomic ? attn_bwd_ws_kernel<D, kCausal, true, T> : attn_bwd_ws_kernel<D, kCausal, false, T>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::smem()) != cudaSuccess)
-      return fo::last_error();
+    if (fo::grant_smem(kernel, C::smem()) != cudaSuccess) return fo::last_error();
     kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, delta, lse2, dq_acc, maps[0], maps[1], maps[2], maps[3]);
   } else {
     auto kernel = atomic ? attn_bwd_wgmma_kernel<D, kCausal, true, T> : attn_bwd_wgmma_kernel<D, kCausal, false, T>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) != cudaSuccess)
-      return fo::last_error();
+    if (fo::grant_smem(kernel, kSmem<D>) != cudaSuccess) return fo::last_error();
     kernel<<<grid, kThreads, kSmem<D>, stream>>>(p, delta, lse2, dq_acc);
   }
   if (const char *err = fo::last_error()) return err;

@@ -159,10 +159,7 @@ template <int D, bool kBanded, bool kGeneral, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   constexpr size_t smem = (kBlockM<D> + 2 * kBlockN<D, kGeneral>) * D * sizeof(T);
   auto kernel = attn_fwd_kernel<D, kBanded, kGeneral, T>;
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
-          cudaSuccess)
-    return fo::last_error();
+  if (fo::grant_smem(kernel, smem) != cudaSuccess) return fo::last_error();
   const dim3 grid(static_cast<unsigned>((p.Sq + kBlockM<D> - 1) / kBlockM<D>),
                   static_cast<unsigned>(p.B * p.Hq));
   kernel<<<grid, kThreads, smem, stream>>>(p);

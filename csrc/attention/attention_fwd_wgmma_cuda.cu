@@ -410,8 +410,7 @@ template <int D, bool kCausal, class T>
 const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cudaStream_t stream) {
   using C = WsConfig<D, kCausal>;
   auto kernel = attn_fwd_ws_kernel<D, kCausal, T>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::smem()) != cudaSuccess)
-    return fo::last_error();
+  if (fo::grant_smem(kernel, C::smem()) != cudaSuccess) return fo::last_error();
   const dim3 grid(static_cast<unsigned>((p.Sq + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.B * p.Hq));
   kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, maps[0], maps[1], maps[2]);
   return fo::last_error();
@@ -420,9 +419,7 @@ const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cud
 template <int D, bool kCausal, class T>
 const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   auto kernel = attn_fwd_wgmma_kernel<D, kCausal, T>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem<D>) !=
-      cudaSuccess)
-    return fo::last_error();
+  if (fo::grant_smem(kernel, kSmem<D>) != cudaSuccess) return fo::last_error();
   const dim3 grid(static_cast<unsigned>((p.Sq + kBlockM - 1) / kBlockM),
                   static_cast<unsigned>(p.B * p.Hq));
   kernel<<<grid, kThreads, kSmem<D>, stream>>>(p);

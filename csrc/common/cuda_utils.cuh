@@ -592,6 +592,29 @@ int blocks_per_sm(K *kernel, int threads, size_t smem) {
   return n;
 }
 
+// Lets `kernel` launch with more than 48 KB of dynamic shared memory (up to
+// all a block may opt in to on the current device), which a kernel must ask
+// for first: the first call for a kernel and device (on this thread) sets
+// the attribute, later calls are a look-up (a cudaFuncSetAttribute each call
+// cost about as much host time as the launch). The most a block may have,
+// not `smem`: the attribute is the kernel's, not the thread's, and a smaller
+// grant for one call would fail a larger launch of the kernel on another.
+template <class K>
+cudaError_t grant_smem(K *kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  const int device = current_device();
+  thread_local RingCache<LaunchKey, bool, 32> granted;
+  const LaunchKey key{(const void *)kernel, device, 0, 0};
+  if (granted.find(key)) return cudaSuccess;
+  cudaFuncAttributes a{};
+  cudaError_t e = cudaFuncGetAttributes(&a, kernel);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_optin(device) - (int)a.sharedSizeBytes);
+  if (e == cudaSuccess) granted.put(key, true);
+  return e;
+}
+
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <class T> struct Tag { using type = T; };
