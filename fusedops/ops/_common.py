@@ -10,6 +10,8 @@
 - once_only: the same refusal for the backward of an autograd.Function.
 - eager_call: an op as fusedops' own functions call it, without the
   dispatcher's round trip through the Python kernels above.
+- function_apply: an autograd.Function's apply without Function.apply's
+  Python (the C apply, dead functorch wrappers unwrapped as it does).
 - register_mutating: the Autograd and ADInplaceOrView kernels of an op that
   writes its inputs (glu_bwd_, glu_packed_bwd_, adam_step). The op bumps the
   version counter of every tensor it writes, as torch's in-place ops do, so that
@@ -145,8 +147,9 @@ def eager_call(overload, with_grad):
     autograd formula, without the dispatcher's round trip through the Python
     Autograd kernel (arguments boxed into Python and back, then a redispatch:
     half the host time of a small call). Outside torch.compile, a call whose
-    inputs take a gradient goes to with_grad(*args) (the autograd.Function
-    that the Autograd kernel applies), any other runs the op below autograd,
+    inputs take a gradient goes to with_grad(*args) (an autograd.Function with
+    the forward and backward the Autograd kernel applies, less the dispatch
+    keyset it carries), any other runs the op below autograd,
     where that kernel would send it. torch.compile sees the op itself, and
     traces its Autograd kernel and fake kernel as before."""
     raw = overload._op
