@@ -3,6 +3,7 @@ so small that the kernels take no time: what a call costs the Python thread
 (argument handling, the dispatcher, the stable-ABI boxed call, autograd).
 
     python tools/ci/host_overhead.py [--device cuda] [--rounds 5] [--calls 3000]
+        [--op NAME ...] [--clock thread] [--breakdown]
 
 Each figure is the best of --rounds loops of --calls calls, in microseconds a
 call, fusedops' and eager's loops taking turns; fwd+bwd is the forward, then
@@ -14,6 +15,15 @@ registers each op's autograd formula through torch.library.register_autograd
 instead of its own kernel (fusedops.ops._common.register_autograd), for
 comparison. On CUDA a loop ends with a synchronize, and the kernels of these
 shapes are shorter than the host's work, so the loop measures the host.
+
+--breakdown says where a call's time goes: for each case, without grad and
+forward+backward, the function beside the ops it runs (recorded once under a
+TorchDispatchMode, the backward's too) replayed back to back below autograd,
+and its fusedops ops alone; eager's function and ops beside. The function
+minus its ops is Python and autograd; its fusedops ops beside eager's ops
+compare the C++ shims (the stable-ABI call, checks, allocation, launch) with
+ATen's. --clock thread times the thread's CPU time (CPU only): another
+process on the same cores then disturbs the figures less.
 
 Not a test: the suite's "fusedops wall" column (benchmarks/) shows the same
 cost at real shapes, where it is hidden behind the GPU or not."""
@@ -99,7 +109,10 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.calls.append((func, args, kwargs))
+        # (autograd saving an output for the backward: under a dispatch mode a
+        # detach op, without one a copy of the tensor's header; not replayed)
+        if func is not torch.ops.aten.detach.default:
+            self.calls.append((func, args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -169,7 +182,7 @@ def main():
     print(f"host us a call ({a.clock} clock), {a.device}, torch {torch.__version__}, fusedops {fusedops.__version__}, "
           f"autograd kernels: {kernel}; each cell fusedops / eager, ratio = fusedops / eager")
     if a.breakdown:
-        print("| op | kind | fusedops fn | its ops | its fusedops ops | eager fn | its ops | fusedops' ops |\n"
+        print("| op | kind | fusedops fn | its ops | its fusedops ops | eager fn | its ops | the ops of the fusedops fn |\n"
               "|---|---|---:|---:|---:|---:|---:|---|")
     else:
         print("| op | no_grad fwd | fwd | fwd+bwd | ratio fwd | ratio fwd+bwd |\n|---|---:|---:|---:|---:|---:|")
