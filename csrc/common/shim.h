@@ -176,26 +176,20 @@ inline std::vector<int64_t> sizes_of(const Tensor &t) {
 }
 
 // A new contiguous tensor of `sizes` and `dtype` on like's device: output
-// `name` of `op`. Through aoti_torch_empty_strided, which calls ATen's
-// empty_strided directly (the CPU allocator, or the CUDA caching allocator
-// under a guard for the device), not torch::stable::new_empty, which looks
-// the op up by name in the dispatcher and boxes its arguments on every call.
+// `name` of `op`. Through the C shim's aoti_torch_aten_new_empty, which
+// calls ATen's new_empty directly, not torch::stable::new_empty, which (with
+// the 2.11 target) looks aten::new_empty up by name in the dispatcher and
+// boxes its arguments every call. Still ATen's empty underneath: the caching
+// allocator on a GPU, and the NaN fill of torch's deterministic mode with
+// fill_uninitialized_memory (the tests' poisoned outputs).
 inline Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes, ScalarType dtype,
                          const char *op = "fusedops", const char *name = "an output") {
-  const int64_t nd = static_cast<int64_t>(sizes.size());
-  int64_t strides[8], *st = strides;
-  std::vector<int64_t> many;  // (more than 8 dimensions)
-  if (nd > 8) st = (many = std::vector<int64_t>(nd)).data();
-  for (int64_t d = nd - 1, s = 1; d >= 0; --d) {
-    st[d] = s;
-    s *= std::max<int64_t>(sizes[d], 1);
-  }
-  int32_t device_type = 0;
+  int32_t dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+  int32_t layout = aoti_torch_layout_strided(), device_type = 0;
   AtenTensorHandle out = nullptr;
   if (aoti_torch_get_device_type(like.get(), &device_type) != AOTI_TORCH_SUCCESS ||
-      aoti_torch_empty_strided(nd, sizes.data(), st,
-                               torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
-                               device_type, like.get_device_index(), &out) != AOTI_TORCH_SUCCESS)
+      aoti_torch_aten_new_empty(like.get(), sizes.data(), static_cast<int64_t>(sizes.size()), &dt, &layout,
+                                &device_type, like.get_device_index(), nullptr, &out) != AOTI_TORCH_SUCCESS)
     out_of_memory(op, name, sizes, dtype, device_name(like));
   return Tensor(out);
 }
