@@ -29,7 +29,7 @@ def dtype_id(dtype):
 @pytest.fixture
 def chunk(monkeypatch):
     """chunk(rows): the next calls cut their inputs into chunks of `rows`."""
-    return lambda rows: monkeypatch.setattr(LX, "_TEST_CHUNK_ROWS", rows)
+    return lambda rows: monkeypatch.setattr(LX, "_CHUNK_ROWS", rows)
 
 
 def make(rows, hidden, vocab, dtype, device, bias=False, ignored=0.2):
@@ -113,6 +113,46 @@ def test_values(device, case, dtype, reduction, chunk):
 
 def test_chunk_rows_default_takes_300_rows_in_two_chunks():
     assert LX.chunk_rows(300, 1000, 64, 2) == 152
+
+
+# tokens, vocab, hidden, free bytes -> rows a chunk by policy (bf16). The
+# issue's shapes at hidden 4096: "input" differs from "weight" where the
+# vocabulary is large against the tokens; "free" is one chunk where half the
+# free memory holds it; free memory caps them all.
+PLANS = [
+    ((8192, 128256, 4096, None), dict(weight=1024, input=1024, free=8192)),
+    ((8192, 32000, 4096, None), dict(weight=1024, input=1024, free=8192)),
+    ((8192, 262144, 4096, None), dict(weight=1024, input=512, free=8192)),
+    ((2048, 128256, 4096, None), dict(weight=1024, input=256, free=2048)),
+    ((32768, 128256, 4096, None), dict(weight=1024, input=1024, free=32768)),
+    ((65536, 128256, 4096, None), dict(weight=2048, input=2048, free=65536)),  # at most 32 chunks
+    ((8192, 128256, 4096, 1 << 30), dict(weight=1024, input=1024, free=2048)),  # 2 GiB logits: 4 chunks
+    ((8192, 128256, 4096, 1 << 28), dict(weight=512, input=512, free=512)),
+    ((300, 1000, 64, None), dict(weight=152, input=152, free=300)),
+]
+
+
+@pytest.mark.parametrize("shape,want", PLANS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_chunk_rows_plan(shape, want):
+    rows, vocab, hidden, free = shape
+    got = {p: LX.chunk_rows(rows, vocab, hidden, 2, free, policy=p) for p in LX.POLICIES}
+    assert got == want
+
+
+def test_chunk_rows_unknown_policy_raises():
+    with pytest.raises(ValueError, match="chunk policy 'fastest', expected one of"):
+        LX.chunk_rows(300, 1000, 64, 2, policy="fastest")
+
+
+@pytest.mark.parametrize("policy", LX.POLICIES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_values_by_policy(device, policy, reduction, monkeypatch):
+    """Each chunk policy (the probe's variants) through the op: 600 tokens,
+    2 or 3 chunks or one."""
+    monkeypatch.setattr(LX, "_POLICY", policy)
+    x, w, b, t = make(600, 64, 1000, torch.bfloat16, device, bias=True)
+    check(x, w, b, t, dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=0.1, softcap=0.0),
+          f"policy {policy} {reduction}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

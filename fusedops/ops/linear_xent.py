@@ -38,36 +38,62 @@ from ._common import _lib, check_one_device, double_backward_error, no_double_ba
 REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Tests only: rows a chunk, instead of chunk_rows()'s answer (to put chunk
-# boundaries inside small inputs).
-_TEST_CHUNK_ROWS = None
-
-# A chunk's logits hold at most this share of the weight's bytes, a chunk
+# A chunk's logits hold at most this share of the weight's bytes (with the
+# "input" policy also at most INPUT_SHARE times the input's bytes), a chunk
 # holds at least MIN_ROWS rows, and the rows make at most MAX_CHUNKS chunks
 # (see chunk_rows).
 WEIGHT_SHARE = 4
+INPUT_SHARE = 4
 MIN_ROWS = 256
 MAX_CHUNKS = 32
 
+# How chunk_rows sizes a chunk (its docstring): POLICY is the library's; the
+# others are variants that tools/probes/linear_xent.py measures beside it,
+# and the tests run. In-process only (no API, no environment switch): set
+# _POLICY to one of POLICIES, or _CHUNK_ROWS to a number of rows (the tests:
+# chunk boundaries inside small inputs).
+POLICIES = ("weight", "input", "free")
+POLICY = "weight"
+_POLICY = None
+_CHUNK_ROWS = None
 
-def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None):
-    """Rows of logits a chunk holds.
 
-    The step keeps dweight (classes x hidden) whatever the chunking, so a
-    chunk's logits (rows_c x classes) are held to a quarter of its size:
-    rows_c <= hidden / 4 (1024 at hidden 4096), the peak then at most 1.25x
-    the weight's bytes plus dinput. Fewer rows would make more passes over
-    dweight (its update reads and writes all of it a chunk), more would raise
-    the peak. Two lower bounds: MIN_ROWS (matmuls of fewer rows run well below
-    the machine's rate), and rows / MAX_CHUNKS, because a 16-bit dweight is
-    rounded once a chunk: past about 64 roundings its error leaves the 2x
-    rule's bound (docs/linear-cross-entropy.md). free_bytes (on CUDA: what
-    the allocator can still give) caps them all: a chunk never takes more
-    than half of it. The rows are then spread evenly over the chunks that
-    count needs, in multiples of 8."""
-    if _TEST_CHUNK_ROWS is not None:
-        return max(1, min(rows, _TEST_CHUNK_ROWS))
-    want = max(MIN_ROWS, hidden // WEIGHT_SHARE, -(-rows // MAX_CHUNKS))
+def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None, policy=None):
+    """Rows of logits a chunk holds, by policy (default _POLICY or POLICY).
+
+    "weight": the step keeps dweight (classes x hidden) whatever the
+    chunking, so a chunk's logits (rows_c x classes) are held to a quarter of
+    its size: rows_c <= hidden / 4 (1024 at hidden 4096), the peak then at
+    most 1.25x the weight's bytes plus dinput. Fewer rows would make more
+    passes over dweight (its update reads and writes all of it a chunk), more
+    would raise the peak. Two lower bounds: MIN_ROWS (matmuls of fewer rows
+    run well below the machine's rate), and rows / MAX_CHUNKS, because a
+    16-bit dweight is rounded once a chunk: past about 64 roundings its error
+    leaves the 2x rule's bound (docs/linear-cross-entropy.md).
+    "input": as "weight", and a chunk's logits at most INPUT_SHARE times the
+    input's bytes (rows_c <= 4 rows hidden / classes). Liger-Kernel's chunks
+    hold the input's count of logits, in bf16, in fp32 and in a bf16 copy
+    (8 bytes each): 4x the input's bytes, which our 2-byte logits reach at 4x
+    its rows. So the peak stays at Liger's where the vocabulary is large
+    against the tokens (2048 tokens, or 262144 words), at the cost of more
+    passes over dweight there; elsewhere it is "weight".
+    "free": one chunk where half the free memory holds it (the fewest passes
+    over dweight; on the CPU, one chunk).
+    free_bytes (on CUDA: what the allocator can still give) caps them all: a
+    chunk never takes more than half of it. The rows are then spread evenly
+    over the chunks that count needs, in multiples of 8."""
+    if _CHUNK_ROWS is not None:
+        return max(1, min(rows, _CHUNK_ROWS))
+    policy = policy or _POLICY or POLICY
+    if policy not in POLICIES:
+        raise ValueError(f"fusedops.linear_xent: chunk policy {policy!r}, expected one of {POLICIES}")
+    if policy == "free":
+        want = rows
+    else:
+        share = hidden // WEIGHT_SHARE
+        if policy == "input":
+            share = min(share, INPUT_SHARE * rows * hidden // classes)
+        want = max(MIN_ROWS, share, -(-rows // MAX_CHUNKS))
     if free_bytes is not None:
         want = min(want, max(8, free_bytes // (2 * classes * itemsize)))
     if rows <= want:

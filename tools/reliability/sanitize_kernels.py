@@ -150,7 +150,7 @@ def run_xent():
         x, t = test_xent.make(37, vocab, dtype, DEV, layout=layout)
         test_xent.run(fusedops.functional.cross_entropy, x, t, "mean", torch.tensor(1.0, device=DEV))
         n += 1
-    linear_xent._TEST_CHUNK_ROWS = 16
+    linear_xent._CHUNK_ROWS = 16
     try:
         for dtype, vocab, reduction in [(BF16, 32000, "mean"), (F16, 1001, "none"), (F32, 77, "sum")]:
             h = torch.randn(37, 64, device=DEV).to(dtype).requires_grad_()
@@ -162,7 +162,7 @@ def run_xent():
             loss.sum().backward()
             n += 1
     finally:
-        linear_xent._TEST_CHUNK_ROWS = None
+        linear_xent._CHUNK_ROWS = None
     return n
 
 
