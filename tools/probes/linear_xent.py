@@ -1,0 +1,176 @@
+# (tools/probes: run on a GPU as python3 tools/probes/linear_xent.py; about 2 minutes on an H200)
+# Fused linear + cross-entropy (issue 53): forward+backward time and peak memory of
+# fusedops.functional.linear_cross_entropy under each chunk variant of fusedops/ops/linear_xent.py
+# (the policies of chunk_rows, and fixed rows a chunk), beside the unfused form (h @ W.T, then
+# fusedops' cross_entropy), torch.compile of transformers' form (fp32 logits) and Liger-Kernel's
+# LigerFusedLinearCrossEntropyLoss (where it imports), in one process, bf16, mean over targets of
+# which ~5 % are ignored. Peak: memory one call allocates beyond its inputs, gradients included
+# (as benchmarks/bench_linear_xent.py). Then, for the first shape, where the GPU time of fusedops'
+# default variant and of the unfused form goes, op by op and by operand shapes (torch.profiler).
+#   python3 tools/probes/linear_xent.py                       # the issue's five shapes
+#   python3 tools/probes/linear_xent.py --shapes 8192x4096x128256 --rows 512,768,1536 --no-compile
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
+import torch.nn.functional as TF  # noqa: E402
+
+from fusedops import functional as FF  # noqa: E402
+from fusedops.ops import linear_xent as LX  # noqa: E402
+
+IGNORE = -100
+SHAPES = "8192x4096x128256,8192x4096x32000,8192x4096x262144,2048x4096x128256,32768x4096x128256"
+MiB = 1 << 20
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=SHAPES, help="tokens x hidden x vocab, comma-separated")
+    p.add_argument("--rows", default="512,2048", help="fixed rows a chunk to try besides the policies")
+    p.add_argument("--iters", type=int, default=5, help="timed calls a case (median)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    return p.parse_args()
+
+
+def eager(h, w, t):
+    return TF.cross_entropy((h @ w.t()).float(), t, ignore_index=IGNORE)
+
+
+def unfused(h, w, t):
+    return FF.cross_entropy(h @ w.t(), t, ignore_index=IGNORE)
+
+
+def fused(h, w, t):
+    return FF.linear_cross_entropy(h, w, t, ignore_index=IGNORE)
+
+
+def liger():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as e:  # noqa: BLE001  (not installed, no Triton)
+        print(f"liger: n/a ({type(e).__name__}: {str(e)[:120]})")
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
+    return lambda h, w, t: loss(w, h, t)
+
+
+def variant(policy=None, rows=None):
+    """fusedops with chunk_rows' policy or a fixed count of rows (the
+    module's in-process variants), restored after the call."""
+    def call(h, w, t):
+        LX._POLICY, LX._CHUNK_ROWS = policy, rows
+        try:
+            return fused(h, w, t)
+        finally:
+            LX._POLICY = LX._CHUNK_ROWS = None
+    return call
+
+
+def make(n, hd, v):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, hd, device="cuda", generator=g) * hd ** -0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.05] = IGNORE
+    return h, w, t
+
+
+def step(fn, h, w, t):
+    loss = fn(h, w, t)
+    grads = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), grads
+
+
+def measure(fn, h, w, t, iters):
+    """(median ms, peak MiB beyond the inputs, loss) of forward+backward."""
+    for _ in range(2):  # warm-up: compile, autotune, the allocator's pools
+        step(fn, h, w, t)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, grads = step(fn, h, w, t)
+    del grads
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / MiB
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step(fn, h, w, t)
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times), peak, float(loss)
+
+
+def breakdown(label, fn, h, w, t):
+    """GPU time of one forward+backward by op and operand shapes (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+    step(fn, h, w, t)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step(fn, h, w, t)
+        torch.cuda.synchronize()
+
+    def dev(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    rows = sorted((e for e in prof.key_averages(group_by_input_shape=True) if dev(e) > 0), key=dev, reverse=True)
+    total = sum(dev(e) for e in rows)
+    print(f"\n{label}: GPU time by op (self), total {total / 1e3:.2f} ms")
+    for e in rows[:14]:
+        shapes = str(e.input_shapes)[:70] if e.input_shapes else ""
+        print(f"  {dev(e) / 1e3:8.2f} ms  x{e.count:<3} {e.key[:40]:40} {shapes}")
+
+
+def main():
+    args = parse()
+    if not torch.cuda.is_available():
+        sys.exit("linear_xent probe: needs a CUDA GPU")
+    impls = {"unfused": unfused}
+    if args.compile:
+        impls["compile"] = torch.compile(eager, dynamic=False)
+    lig = liger()
+    if lig is not None:
+        impls["liger"] = lig
+    for p in LX.POLICIES:
+        impls[f"fusedops[{p}]" + ("*" if p == LX.POLICY else "")] = variant(policy=p)
+    for r in (int(x) for x in args.rows.split(",") if x.strip()):
+        impls[f"fusedops[rows={r}]"] = variant(rows=r)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, forward+backward, grads of h and W; "
+          f"median of {args.iters}; * the library's policy")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    for i, (n, hd, v) in enumerate(shapes):
+        h, w, t = make(n, hd, v)
+        free = LX._free_bytes(h.device)
+        print(f"\n{n} tokens x hidden {hd} x vocab {v} (flop-bound time at 6NHV: "
+              f"{6 * n * hd * v / 1e12:.1f} TFLOP)")
+        print(f"  {'impl':22} {'rows':>6} {'ms':>8} {'peak MiB':>9} {'vs unfused':>10} {'vs liger':>9}  loss")
+        res = {}
+        for name, fn in impls.items():
+            try:
+                res[name] = measure(fn, h, w, t, args.iters)
+            except Exception as e:  # noqa: BLE001  (an n/a row; the others still run)
+                print(f"  {name:22} n/a: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                torch.cuda.empty_cache()
+                continue
+            ms, peak, loss = res[name]
+            rows = ""
+            if name.startswith("fusedops"):
+                rows = name.split("rows=")[1].rstrip("]") if "rows=" in name else LX.chunk_rows(
+                    n, v, hd, h.element_size(), free, policy=name[9:].rstrip("]*"))
+            vs_u = f"{ms / res['unfused'][0]:.3f}x" if "unfused" in res else ""
+            vs_l = f"{ms / res['liger'][0]:.3f}x" if "liger" in res else ""
+            print(f"  {name:22} {rows!s:>6} {ms:8.2f} {peak:9.0f} {vs_u:>10} {vs_l:>9}  {loss:.5f}", flush=True)
+        if args.profile and i == 0:
+            breakdown("fusedops (library policy)", fused, h, w, t)
+            breakdown("unfused", unfused, h, w, t)
+        del h, w, t
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
