@@ -65,6 +65,10 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   m.def("linear_xent_bwd(Tensor dloss, Tensor input, Tensor weight, Tensor? bias, Tensor target, "
         "int ignore_index, float label_smoothing, float softcap, bool input_grad, bool weight_grad, "
         "bool bias_grad) -> (Tensor dinput, Tensor dweight, Tensor dbias)");
+  // linear_xent_fwd's backward with "mean" or "sum": a gradient it handed out
+  // (contiguous) times the loss's (dloss, one fp32 value), read on the
+  // device; nothing read or written where dloss is 1 (csrc/xent/xent.h).
+  m.def("linear_xent_scale_(Tensor(a!) grad, Tensor dloss) -> ()");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a

@@ -266,6 +266,53 @@ def test_opcheck(device, chunk):
                           (z, t, torch.rand(10, device=device), IGNORE, 0.1, 2.0))
 
 
+@pytest.mark.parametrize("n", [1, 7, 1023, 1025, 8 * 4096 + 3])
+@pytest.mark.parametrize("dtype", LOWP, ids=dtype_id)
+def test_scale_is_one_rounding_of_the_product_and_nothing_at_one(device, dtype, n):
+    """linear_xent_scale_ (the backward's scaling): grad * dloss widened to
+    fp32 and rounded once, over vector tails; with dloss 1 the tensor is
+    bitwise what it was, NaN and inf included (the kernel skips it)."""
+    g = torch.randn(n, device=device).to(dtype)
+    g[:: max(1, n // 3)] = float("nan")
+    g[1:: max(2, n // 2)] = float("inf")
+    for d in (1.7, -0.25, 1.0):
+        got = g.clone()
+        LX.linear_xent_scale_(got, torch.tensor(d, device=device))
+        want = (g.float() * d).to(dtype)
+        assert torch.equal(got.isnan(), want.isnan()), d
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), d
+    torch.library.opcheck(torch.ops.fusedops.linear_xent_scale_.default,
+                          (g.clone(), torch.tensor(0.5, device=device)))
+
+
+def test_scale_bad_input(device):
+    g = torch.randn(4, 6, device=device)
+    cases = [
+        (dict(grad=g, dloss=torch.ones(2, device=device)), r"fusedops.linear_xent_scale_: dloss has shape \[2\] "
+         r"and dtype float32, expected one float32 value"),
+        (dict(grad=g, dloss=torch.ones((), device=device, dtype=torch.float64)), r"dtype float64, expected one "
+         r"float32 value"),
+        (dict(grad=g.t(), dloss=torch.ones((), device=device)), r"grad has strides \[1, 6\], expected contiguous"),
+    ]
+    for args, match in cases:
+        raises_unchanged(LX.linear_xent_scale_, args, match)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_from_the_loss_itself(device, reduction, chunk):
+    """loss.backward() (a gradient of exactly 1: the scaling is skipped) gives
+    the gradients of the loss, against float64 by the 2x rule."""
+    chunk(8)
+    x, w, b, t = make(37, 16, 29, torch.bfloat16, device, bias=True)
+    kw = dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=0.1, softcap=0.0)
+    one = torch.tensor(1.0, device=device)
+    got = run(FF.linear_cross_entropy, x, w, b, t, one, kw)
+    want = run(reference.linear_cross_entropy, x, w, b, t, one, kw, to=torch.float64)
+    eager = run(reference.linear_cross_entropy, x, w, b, t, one, kw)
+    for name, a, r, e in zip(["loss", "dinput", "dweight", "dbias"], got, want, eager):
+        assert_close_2x(a, r, e, f"{reduction} {name}", scale=max(float(r.detach().abs().max()), 1e-30))
+
+
 def test_xent_fwd_bwd_matches_forward_and_backward(device):
     """The fused pass gives xent_fwd's loss and xent_bwd's gradient, written
     over the logits, for every dtype (odd vocab, label smoothing, softcap)."""

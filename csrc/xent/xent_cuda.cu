@@ -12,6 +12,8 @@
  * persistent grid or cross-block split is needed. */
 #include <math.h>
 
+#include <algorithm>
+
 #include "../common/cuda_utils.cuh"
 #include "xent.h"
 
@@ -163,7 +165,46 @@ const char *launch(const fo_xent_params *p, void *stream) {
   return last_error();
 }
 
+// grad *= *dloss, grid-stride over VEC-value vectors; every block returns at
+// once where *dloss is 1 (xent.h).
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads) scale_kernel(const fo_xent_scale_params p) {
+  const float s = *p.dloss;
+  if (s == 1.f) return;
+  T *x = static_cast<T *>(p.grad);
+  const int64_t step = (int64_t)gridDim.x * kThreads * VEC;
+  for (int64_t i = ((int64_t)blockIdx.x * kThreads + threadIdx.x) * VEC; i < p.n; i += step) {
+    if (i + VEC <= p.n) {
+      float v[VEC];
+      load_f<VEC>(x + i, v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v[e] *= s;
+      store_f<VEC>(x + i, v);
+    } else {
+      for (int64_t j = i; j < p.n; ++j) x[j] = from_f<T>(to_f(x[j]) * s);
+    }
+  }
+}
+
+// Enough blocks to fill any GPU several times over; the rest by grid stride.
+constexpr int64_t kScaleBlocks = 4096;
+
 }  // namespace
+
+extern "C" const char *fo_xent_scale_cuda(const fo_xent_scale_params *p, void *stream) {
+  if (p->n == 0) return nullptr;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  with_type(p->dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(p->grad);
+    const int64_t per = (int64_t)kThreads * (vec ? kVec : 1);
+    const dim3 grid((unsigned)std::min<int64_t>((p->n + per - 1) / per, kScaleBlocks));
+    if (vec) scale_kernel<T, kVec><<<grid, kThreads, 0, s>>>(*p);
+    else scale_kernel<T, 1><<<grid, kThreads, 0, s>>>(*p);
+  });
+  return last_error();
+}
 
 extern "C" const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream) { return launch<true, false>(p, stream); }
 extern "C" const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream) { return launch<false, true>(p, stream); }

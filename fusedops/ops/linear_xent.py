@@ -8,6 +8,8 @@ Schemas (csrc/library.cpp):
   linear_xent_bwd(dloss, input, weight, bias, target, ignore_index,
                   label_smoothing, softcap, input_grad, weight_grad, bias_grad)
       -> (dinput, dweight, dbias)
+  linear_xent_scale_(grad!, dloss) -> ()   # C / CUDA (csrc/xent): grad *= dloss,
+                                           # nothing touched where dloss is 1
 
 Both are implemented here, in Python, for the CPU and CUDA: a loop over
 chunks of rows whose matmuls are torch's (cuBLAS, the CPU BLAS) and whose
@@ -23,7 +25,9 @@ written over them. Per chunk c of rows:
 so only one chunk's logits exist at a time, and with reduction "mean" or
 "sum" the forward hands out the gradients of the loss: the backward only
 scales them by the loss's gradient (in place: nothing of the size of the
-weight is allocated twice). With "none" the gradient of each row's loss has
+weight is allocated twice; and where that gradient is 1, the usual case of
+a loss that backward() starts from, not even read: linear_xent_scale_ reads
+it on the device). With "none" the gradient of each row's loss has
 its own factor, which cannot be applied to dweight afterwards: the forward
 computes the losses alone and the backward runs the chunks again with the
 row factors (a fourth matmul). The ops are opaque to torch.compile (their
@@ -33,7 +37,8 @@ keep every chunk's logits alive for the backward.
 import torch
 
 from . import xent as _xent
-from ._common import _lib, check_one_device, double_backward_error, no_double_backward, register_autograd
+from ._common import (_lib, check_one_device, double_backward_error, no_double_backward, register_autograd,
+                      register_mutating)
 
 REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -265,6 +270,11 @@ def _fwd_fake(input, weight, bias, target, ignore_index, reduction, label_smooth
     return (loss, *_fake_grads(input, weight, bias, input_grad, weight_grad, bias_grad))
 
 
+@torch.library.register_fake("fusedops::linear_xent_scale_")
+def _scale_fake(grad, dloss):
+    check_one_device("linear_xent_scale_", grad=grad, dloss=dloss)
+
+
 @torch.library.register_fake("fusedops::linear_xent_bwd")
 def _bwd_fake(dloss, input, weight, bias, target, ignore_index, label_smoothing, softcap, input_grad,
               weight_grad, bias_grad):
@@ -314,10 +324,16 @@ def _backward(ctx, dloss, *_):
         # outputs, and for any other subclass.
         grads = ctx.saved_tensors
         eager = type(dloss) is torch.Tensor and all(type(g) is torch.Tensor for g in grads)
-        grads = [g.mul_(dloss) if eager else g * dloss for g in grads]
+        if eager:
+            for g in grads:
+                if g.numel():
+                    linear_xent_scale_(g, dloss)
+        else:
+            grads = [g * dloss for g in grads]
     return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 8
 
 
 # The ops as fusedops calls them (_common.eager_call).
 linear_xent_fwd = register_autograd("linear_xent_fwd", _backward, _setup_context)
 linear_xent_bwd = no_double_backward("linear_xent_bwd")
+linear_xent_scale_ = register_mutating("linear_xent_scale_")
