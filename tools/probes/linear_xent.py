@@ -9,9 +9,11 @@
 # default variant and of the unfused form goes, op by op and by operand shapes (torch.profiler).
 #   python3 tools/probes/linear_xent.py                       # the issue's five shapes
 #   python3 tools/probes/linear_xent.py --shapes 8192x4096x128256 --rows 512,768,1536 --no-compile
+#   python3 tools/probes/linear_xent.py --device cpu --shapes 300x64x1000 --rows 64   # a smoke test
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,6 +35,7 @@ def parse():
     p.add_argument("--iters", type=int, default=5, help="timed calls a case (median)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (no peak, no Liger)")
     return p.parse_args()
 
 
@@ -70,12 +73,12 @@ def variant(policy=None, rows=None):
     return call
 
 
-def make(n, hd, v):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(n, hd, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(v, hd, device="cuda", generator=g) * hd ** -0.5).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    t[torch.rand(n, device="cuda", generator=g) < 0.05] = IGNORE
+def make(n, hd, v, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(n, hd, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, hd, device=device, generator=g) * hd ** -0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    t[torch.rand(n, device=device, generator=g) < 0.05] = IGNORE
     return h, w, t
 
 
@@ -86,9 +89,17 @@ def step(fn, h, w, t):
 
 
 def measure(fn, h, w, t, iters):
-    """(median ms, peak MiB beyond the inputs, loss) of forward+backward."""
+    """(median ms, peak MiB beyond the inputs or None on a CPU, loss) of
+    forward+backward."""
     for _ in range(2):  # warm-up: compile, autotune, the allocator's pools
         step(fn, h, w, t)
+    if h.device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            loss, _ = step(fn, h, w, t)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), None, float(loss)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -110,17 +121,23 @@ def measure(fn, h, w, t, iters):
 def breakdown(label, fn, h, w, t):
     """GPU time of one forward+backward by op and operand shapes (self time)."""
     from torch.profiler import ProfilerActivity, profile
+    gpu = h.device.type == "cuda"
     step(fn, h, w, t)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        step(fn, h, w, t)
+    if gpu:
         torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []),
+                 record_shapes=True) as prof:
+        step(fn, h, w, t)
+        if gpu:
+            torch.cuda.synchronize()
 
     def dev(e):
+        if not gpu:
+            return e.self_cpu_time_total
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
     rows = sorted((e for e in prof.key_averages(group_by_input_shape=True) if dev(e) > 0), key=dev, reverse=True)
     total = sum(dev(e) for e in rows)
-    print(f"\n{label}: GPU time by op (self), total {total / 1e3:.2f} ms")
+    print(f"\n{label}: {'GPU' if gpu else 'CPU'} time by op (self), total {total / 1e3:.2f} ms")
     for e in rows[:14]:
         shapes = str(e.input_shapes)[:70] if e.input_shapes else ""
         print(f"  {dev(e) / 1e3:8.2f} ms  x{e.count:<3} {e.key[:40]:40} {shapes}")
@@ -128,23 +145,25 @@ def breakdown(label, fn, h, w, t):
 
 def main():
     args = parse()
-    if not torch.cuda.is_available():
-        sys.exit("linear_xent probe: needs a CUDA GPU")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("linear_xent probe: no CUDA GPU (--device cpu runs a smoke test)")
     impls = {"unfused": unfused}
     if args.compile:
         impls["compile"] = torch.compile(eager, dynamic=False)
-    lig = liger()
+    lig = liger() if device.type == "cuda" else None
     if lig is not None:
         impls["liger"] = lig
     for p in LX.POLICIES:
         impls[f"fusedops[{p}]" + ("*" if p == LX.POLICY else "")] = variant(policy=p)
     for r in (int(x) for x in args.rows.split(",") if x.strip()):
         impls[f"fusedops[rows={r}]"] = variant(rows=r)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, forward+backward, grads of h and W; "
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{machine}, torch {torch.__version__}; bf16, forward+backward, grads of h and W; "
           f"median of {args.iters}; * the library's policy")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     for i, (n, hd, v) in enumerate(shapes):
-        h, w, t = make(n, hd, v)
+        h, w, t = make(n, hd, v, device)
         free = LX._free_bytes(h.device)
         print(f"\n{n} tokens x hidden {hd} x vocab {v} (flop-bound time at 6NHV: "
               f"{6 * n * hd * v / 1e12:.1f} TFLOP)")
@@ -164,12 +183,14 @@ def main():
                     n, v, hd, h.element_size(), free, policy=name[9:].rstrip("]*"))
             vs_u = f"{ms / res['unfused'][0]:.3f}x" if "unfused" in res else ""
             vs_l = f"{ms / res['liger'][0]:.3f}x" if "liger" in res else ""
-            print(f"  {name:22} {rows!s:>6} {ms:8.2f} {peak:9.0f} {vs_u:>10} {vs_l:>9}  {loss:.5f}", flush=True)
+            peak = "n/a" if peak is None else f"{peak:.0f}"
+            print(f"  {name:22} {rows!s:>6} {ms:8.2f} {peak:>9} {vs_u:>10} {vs_l:>9}  {loss:.5f}", flush=True)
         if args.profile and i == 0:
             breakdown("fusedops (library policy)", fused, h, w, t)
             breakdown("unfused", unfused, h, w, t)
         del h, w, t
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
