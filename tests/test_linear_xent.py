@@ -315,7 +315,8 @@ def test_backward_from_the_loss_itself(device, reduction, chunk):
 
 def test_xent_fwd_bwd_matches_forward_and_backward(device):
     """The fused pass gives xent_fwd's loss and xent_bwd's gradient, written
-    over the logits, for every dtype (odd vocab, label smoothing, softcap)."""
+    over the logits, for every dtype (odd vocab, label smoothing, softcap):
+    bitwise where each thread holds at most one vector of a row."""
     for dtype in LOWP:
         z = (torch.randn(9, 37, device=device) * 3).to(dtype)
         t = torch.randint(0, 37, (9,), device=device)
@@ -326,6 +327,25 @@ def test_xent_fwd_bwd_matches_forward_and_backward(device):
         inplace = z.clone()
         loss2 = torch.ops.fusedops.xent_fwd_bwd_(inplace, t, dloss, IGNORE, 0.1, 2.5)
         assert torch.equal(loss2, loss) and torch.equal(inplace, grad), dtype
+
+
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_xent_fwd_bwd_large_vocab(device, vocab):
+    """The fused pass on rows of many vectors (on CUDA its own block size and
+    a backward second loop): xent_fwd's loss and xent_bwd's gradient within
+    rounding, ignored rows zeroed, label smoothing and softcap."""
+    z = (torch.randn(40, vocab, device=device) * 3).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (40,), device=device)
+    t[::7] = IGNORE
+    dloss = torch.rand(40, device=device)
+    for ls, cap in ((0.0, 0.0), (0.1, 30.0)):
+        loss, lse = torch.ops.fusedops.xent_fwd(z, t, IGNORE, ls, cap)
+        grad = torch.ops.fusedops.xent_bwd(dloss, z, t, lse, IGNORE, ls, cap)
+        inplace = z.clone()
+        loss2 = torch.ops.fusedops.xent_fwd_bwd_(inplace, t, dloss, IGNORE, ls, cap)
+        torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inplace.float(), grad.float(), rtol=2 ** -7, atol=1e-9)
+        assert (inplace[::7] == 0).all()
 
 
 def test_double_backward_raises(device, chunk):
