@@ -841,12 +841,12 @@ def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduct
     else:
         x, weight, bias = _lower_precision(x, weight, bias)
     _linear_xent_ops.check_args(op, x, weight, bias, t, None, float(label_smoothing), float(softcap))
-    kernel_reduction = "sum" if num_items is not None else reduction
     grads = [_needs_grad(a) for a in (x, weight)] + [bias is not None and _needs_grad(bias)]
-    loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction,
-                                            float(label_smoothing), float(softcap), *grads)[0]
-    if num_items is not None:
-        loss = _reduce(loss, t, ignore_index, "mean", num_items)
+    if num_items is not None:  # the mean over num_items, in the op: its gradients then need no scaling
+        reduction = "mean"
+        num_items = torch.as_tensor(num_items)
+    loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, reduction, float(label_smoothing),
+                                            float(softcap), *grads, num_items)[0]
     return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
 
 

@@ -120,15 +120,15 @@ def test_chunk_rows_default_takes_300_rows_in_two_chunks():
 # vocabulary is large against the tokens; "free" is one chunk where half the
 # free memory holds it; free memory caps them all.
 PLANS = [
-    ((8192, 128256, 4096, None), dict(weight=1024, input=1024, free=8192)),
+    ((8192, 128256, 4096, None), dict(weight=1024, input=256, free=8192)),
     ((8192, 32000, 4096, None), dict(weight=1024, input=1024, free=8192)),
-    ((8192, 262144, 4096, None), dict(weight=1024, input=512, free=8192)),
-    ((2048, 128256, 4096, None), dict(weight=1024, input=256, free=2048)),
+    ((8192, 262144, 4096, None), dict(weight=1024, input=256, free=8192)),  # at most 32 chunks
+    ((2048, 128256, 4096, None), dict(weight=1024, input=64, free=2048)),
     ((32768, 128256, 4096, None), dict(weight=1024, input=1024, free=32768)),
     ((65536, 128256, 4096, None), dict(weight=2048, input=2048, free=65536)),  # at most 32 chunks
-    ((8192, 128256, 4096, 1 << 30), dict(weight=1024, input=1024, free=2048)),  # 2 GiB logits: 4 chunks
-    ((8192, 128256, 4096, 1 << 28), dict(weight=512, input=512, free=512)),
-    ((300, 1000, 64, None), dict(weight=152, input=152, free=300)),
+    ((8192, 128256, 4096, 1 << 30), dict(weight=1024, input=256, free=2048)),  # 2 GiB logits: 4 chunks
+    ((8192, 128256, 4096, 1 << 28), dict(weight=512, input=256, free=512)),
+    ((300, 1000, 64, None), dict(weight=152, input=16, free=300)),
 ]
 
 
@@ -148,7 +148,7 @@ def test_chunk_rows_unknown_policy_raises():
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_values_by_policy(device, policy, reduction, monkeypatch):
     """Each chunk policy (the probe's variants) through the op: 600 tokens,
-    2 or 3 chunks or one."""
+    3 chunks, 25 or one."""
     monkeypatch.setattr(LX, "_POLICY", policy)
     x, w, b, t = make(600, 64, 1000, torch.bfloat16, device, bias=True)
     check(x, w, b, t, dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=0.1, softcap=0.0),
@@ -258,6 +258,8 @@ def test_opcheck(device, chunk):
         torch.library.opcheck(torch.ops.fusedops.linear_xent_fwd.default,
                               (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), t, IGNORE, reduction,
                                0.1, 2.0, True, True, True))
+    torch.library.opcheck(torch.ops.fusedops.linear_xent_fwd.default,
+                          (x, w, b, t, IGNORE, "mean", 0.1, 2.0, True, True, True, torch.tensor(13.0, device=device)))
     torch.library.opcheck(torch.ops.fusedops.linear_xent_bwd.default,
                           (torch.randn(10, device=device), x.detach(), w.detach(), b.detach(), t, IGNORE, 0.1, 2.0,
                            True, True, True))
@@ -311,6 +313,37 @@ def test_backward_from_the_loss_itself(device, reduction, chunk):
     eager = run(reference.linear_cross_entropy, x, w, b, t, one, kw)
     for name, a, r, e in zip(["loss", "dinput", "dweight", "dbias"], got, want, eager):
         assert_close_2x(a, r, e, f"{reduction} {name}", scale=max(float(r.detach().abs().max()), 1e-30))
+
+
+@pytest.mark.parametrize("num_items", [19, 19.0, "tensor"])
+def test_num_items_is_the_means_divisor(device, num_items, chunk):
+    """num_items (Hugging Face's num_items_in_batch: an int, a float or a
+    tensor) divides the sum, in the op: the loss and the gradients it hands
+    out, against float64 by the 2x rule, loss.backward() and a gradient of 1.7
+    alike."""
+    chunk(8)
+    n = torch.tensor(19, device=device) if num_items == "tensor" else num_items
+    x, w, b, t = make(37, 16, 29, torch.bfloat16, device, bias=True)
+
+    def fused(x, w, t, b, **kw):
+        return FF._linear_xent_f32(x, w, t, b, IGNORE, "mean", 0.1, 0.0, num_items=n).to(x.dtype)
+
+    def ref(x, w, t, b, **kw):
+        return reference.linear_cross_entropy(x, w, t, b, IGNORE, "sum", 0.1, 0.0) / 19
+    for g in (1.0, 1.7):
+        g = torch.tensor(g, device=device)
+        got = run(fused, x, w, b, t, g, {})
+        want = run(ref, x, w, b, t, g, {}, to=torch.float64)
+        eager = run(ref, x, w, b, t, g, {})
+        for name, a, r, e in zip(["loss", "dinput", "dweight", "dbias"], got, want, eager):
+            assert_close_2x(a, r, e, f"num_items {name}", scale=max(float(r.detach().abs().max()), 1e-30))
+
+
+def test_num_items_of_more_than_one_value_raises(device):
+    x, w, b, t = make(4, 8, 9, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"fusedops.linear_xent_fwd: num_items has shape \[2\], expected one "):
+        torch.ops.fusedops.linear_xent_fwd(x, w, None, t, IGNORE, "mean", 0.0, 0.0, False, False, False,
+                                           torch.ones(2, device=device))
 
 
 def test_xent_fwd_bwd_matches_forward_and_backward(device):

@@ -3,7 +3,8 @@
 
 Schemas (csrc/library.cpp):
   linear_xent_fwd(input, weight, bias, target, ignore_index, reduction,
-                  label_smoothing, softcap, input_grad, weight_grad, bias_grad)
+                  label_smoothing, softcap, input_grad, weight_grad, bias_grad,
+                  num_items=None)     # the mean's divisor, else the count
       -> (loss, dinput, dweight, dbias)
   linear_xent_bwd(dloss, input, weight, bias, target, ignore_index,
                   label_smoothing, softcap, input_grad, weight_grad, bias_grad)
@@ -44,11 +45,10 @@ REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # A chunk's logits hold at most this share of the weight's bytes (with the
-# "input" policy also at most INPUT_SHARE times the input's bytes), a chunk
-# holds at least MIN_ROWS rows, and the rows make at most MAX_CHUNKS chunks
-# (see chunk_rows).
+# "input" policy also at most the input's bytes), a chunk holds at least
+# MIN_ROWS rows ("weight"), and the rows make at most MAX_CHUNKS chunks (see
+# chunk_rows).
 WEIGHT_SHARE = 4
-INPUT_SHARE = 4
 MIN_ROWS = 256
 MAX_CHUNKS = 32
 
@@ -75,13 +75,13 @@ def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None, policy=None):
     run well below the machine's rate), and rows / MAX_CHUNKS, because a
     16-bit dweight is rounded once a chunk: past about 64 roundings its error
     leaves the 2x rule's bound (docs/linear-cross-entropy.md).
-    "input": as "weight", and a chunk's logits at most INPUT_SHARE times the
-    input's bytes (rows_c <= 4 rows hidden / classes). Liger-Kernel's chunks
-    hold the input's count of logits, in bf16, in fp32 and in a bf16 copy
-    (8 bytes each): 4x the input's bytes, which our 2-byte logits reach at 4x
-    its rows. So the peak stays at Liger's where the vocabulary is large
-    against the tokens (2048 tokens, or 262144 words), at the cost of more
-    passes over dweight there; elsewhere it is "weight".
+    "input": a chunk's logits at most the input's bytes (rows_c <= rows
+    hidden / classes) and a quarter of the weight's, without the MIN_ROWS
+    floor: Liger-Kernel's chunks (the input's count of logits, rounded up to
+    a power of two rows), hence its peak, where the vocabulary is large
+    against the tokens; the MAX_CHUNKS bound still holds (262144 words at
+    8192 tokens: 256 rows, where Liger takes 128). Many more passes over
+    dweight.
     "free": one chunk where half the free memory holds it (the fewest passes
     over dweight; on the CPU, one chunk).
     free_bytes (on CUDA: what the allocator can still give) caps them all: a
@@ -94,11 +94,10 @@ def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None, policy=None):
         raise ValueError(f"fusedops.linear_xent: chunk policy {policy!r}, expected one of {POLICIES}")
     if policy == "free":
         want = rows
+    elif policy == "input":
+        want = max(8, min(hidden // WEIGHT_SHARE, rows * hidden // classes), -(-rows // MAX_CHUNKS))
     else:
-        share = hidden // WEIGHT_SHARE
-        if policy == "input":
-            share = min(share, INPUT_SHARE * rows * hidden // classes)
-        want = max(MIN_ROWS, share, -(-rows // MAX_CHUNKS))
+        want = max(MIN_ROWS, hidden // WEIGHT_SHARE, -(-rows // MAX_CHUNKS))
     if free_bytes is not None:
         want = min(want, max(8, free_bytes // (2 * classes * itemsize)))
     if rows <= want:
@@ -200,16 +199,27 @@ def _chunked_grads(input, weight, bias, target, dloss, loss, ignore_index, label
     return dinput, dweight, (dbias.to(bias.dtype) if bias_grad else _empty(input))
 
 
-def _count(target, ignore_index):
+def _count(target, ignore_index, num_items=None):
+    """The mean's divisor: num_items (a one-value tensor, on target's device)
+    or the count of targets that are not ignored."""
+    if num_items is not None:
+        return num_items.reshape(()).to(device=target.device, dtype=torch.float32)
     return (target != ignore_index).sum()
 
 
+def _check_num_items(op, num_items):
+    if num_items is not None and num_items.numel() != 1:
+        raise RuntimeError(f"fusedops.{op}: num_items has shape {list(num_items.shape)}, expected one number "
+                           "(the mean's divisor)")
+
+
 def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, input_grad,
-              weight_grad, bias_grad):
+              weight_grad, bias_grad, num_items=None):
     op = "linear_xent_fwd"
     check_args(op, input, weight, bias, target, ignore_index, label_smoothing, softcap)
     if reduction not in REDUCTIONS:
         raise RuntimeError(f"fusedops.{op}: reduction is {reduction!r}, expected 'none', 'mean' or 'sum'")
+    _check_num_items(op, num_items)
     bias_grad = bias_grad and bias is not None
     rows, hidden = input.shape
     classes = weight.shape[0]
@@ -218,7 +228,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
         if reduction != "none" and (input_grad or weight_grad or bias_grad):
             scale = torch.ones((), dtype=torch.float32, device=input.device)
             if reduction == "mean":
-                scale = scale / _count(target, ignore_index)
+                scale = scale / _count(target, ignore_index, num_items)
             grads = _chunked_grads(input, weight, bias, target, scale.expand(rows), loss, ignore_index,
                                    label_smoothing, softcap, input_grad, weight_grad, bias_grad)
         else:
@@ -231,7 +241,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
         if reduction == "sum":
             loss = loss.sum()
         elif reduction == "mean":
-            loss = loss.sum() / _count(target, ignore_index)
+            loss = loss.sum() / _count(target, ignore_index, num_items)
     return (loss, *grads)
 
 
@@ -262,8 +272,9 @@ def _fake_grads(input, weight, bias, input_grad, weight_grad, bias_grad):
 
 @torch.library.register_fake("fusedops::linear_xent_fwd")
 def _fwd_fake(input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, input_grad,
-              weight_grad, bias_grad):
+              weight_grad, bias_grad, num_items=None):
     check_args("linear_xent_fwd", input, weight, bias, target, None, label_smoothing, softcap)
+    _check_num_items("linear_xent_fwd", num_items)
     loss = input.new_empty((input.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     if reduction == "none":
         return loss, _empty(input), _empty(weight), _empty(input)
@@ -284,7 +295,7 @@ def _bwd_fake(dloss, input, weight, bias, target, ignore_index, label_smoothing,
 
 
 def _setup_context(ctx, inputs, output):
-    input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, *flags = inputs
+    input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, *flags, _ = inputs
     _, dinput, dweight, dbias = output
     ctx.mark_non_differentiable(dinput, dweight, dbias)
     # No zero-filled gradients of those three made for the backward (by
@@ -309,7 +320,7 @@ def _backward(ctx, dloss, *_):
             raise RuntimeError(f"fusedops.linear_xent_fwd: the gradient of {name} is asked for, but {name}_grad "
                                "was False in the forward")
     if dloss is None:
-        return (None,) * 11
+        return (None,) * 12
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         raise double_backward_error("linear_xent_fwd")
     if ctx.none:
@@ -330,7 +341,7 @@ def _backward(ctx, dloss, *_):
                     linear_xent_scale_(g, dloss)
         else:
             grads = [g * dloss for g in grads]
-    return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 8
+    return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 9
 
 
 # The ops as fusedops calls them (_common.eager_call).
