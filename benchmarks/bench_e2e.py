@@ -9,6 +9,7 @@ and fusedops + torch.compile. Reports tokens/s, step time and peak memory.
     python -m benchmarks.bench_e2e --modes fusedops --without attention   # an ablation
     python -m benchmarks.bench_e2e --vocab 128256 --modes eager,compile,fusedops,liger
     python -m benchmarks.bench_e2e --modes eager,fusedops --layouts padded,packed
+    python -m benchmarks.bench_e2e --vocab 128256 --modes fusedops --loss-chunk 2048   # a chunk variant
 
 The ANCHORS.md configuration: 748 M parameters (12 layers, hidden 2048, 16
 heads, MLP 5632, vocab 32000, untied embeddings), batch 4 x 2048 tokens, bf16
@@ -39,6 +40,11 @@ them; use_cache=False, as transformers finds packed documents from
 position_ids only then). The fusedops modes run their varlen attention on
 packed documents; eager, compile and liger get transformers' mask for them.
 Every mode runs each layout, one row each.
+
+--loss-chunk: the fused loss's chunk variant in the fusedops modes, a
+policy of fusedops.ops.linear_xent.POLICIES or a count of rows a chunk
+(the module's in-process variants, as tools/probes/linear_xent.py sets
+them): the step's time and peak memory under another chunking.
 
 Needs transformers (pip install fusedops[hf]). Not part of `python -m
 benchmarks.run` (whose bench_<op>.py files time one op each): run it on its
@@ -96,6 +102,8 @@ def parse_args(argv=None):
                    "transformers 5.x looks for packed sequences in position_ids every forward: a "
                    "host sync in eager, and under torch.compile a materialized causal mask, which "
                    "takes the attention to torch's SDPA in every mode")
+    p.add_argument("--loss-chunk", default=None, help="the fused loss's chunk policy (weight, input, free) or "
+                   "rows a chunk, in the fusedops modes (default: the library's)")
     p.add_argument("--layouts", default="padded", help="comma-separated, of padded,packed (default %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
     args = p.parse_args(argv)
@@ -105,6 +113,10 @@ def parse_args(argv=None):
         p.error(f"--modes: unknown {bad}; have {list(MODES + OPTIONAL_MODES)}")
     # Liger's patches stay on transformers' classes: its mode goes last.
     args.modes = [m for m in args.modes if m != "liger"] + [m for m in args.modes if m == "liger"]
+    if args.loss_chunk is not None and not args.loss_chunk.isdigit():
+        from fusedops.ops import linear_xent
+        if args.loss_chunk not in linear_xent.POLICIES:
+            p.error(f"--loss-chunk: {args.loss_chunk!r}; expected rows or one of {list(linear_xent.POLICIES)}")
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     bad = [x for x in args.layouts if x not in LAYOUTS]
     if bad or not args.layouts:
@@ -180,9 +192,18 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True, layout="padded"):
+def loss_chunk(chunk):
+    """Set the fused loss's chunk variant (--loss-chunk; None: the library's)."""
+    from fusedops.ops import linear_xent
+    linear_xent._POLICY = None if chunk is None or chunk.isdigit() else chunk
+    linear_xent._CHUNK_ROWS = int(chunk) if chunk is not None and chunk.isdigit() else None
+
+
+def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True, layout="padded",
+             chunk=None):
     """Train warmup + steps steps; returns the result row."""
     torch._dynamo.reset()
+    loss_chunk(chunk if mode.startswith("fusedops") else None)
     use_cache = use_cache and layout == "padded"
     model, run, opt = build(cfg, mode, dtype, device, without, use_cache=use_cache)
     if device.type == "cuda":  # after the build, which holds an fp32 copy for a moment
@@ -240,6 +261,7 @@ def table(meta, rows):
              f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}"
              + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "")
              + ("; use_cache=False" if meta.get("use_cache") is False else "")
+             + (f"; fused loss chunk {meta['loss_chunk']}" if meta.get("loss_chunk") else "")
              + ("; packed: documents of mixed length in one row, use_cache=False"
                 if "packed" in meta.get("layouts", ()) else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -280,7 +302,7 @@ def main(argv=None):
     meta = common.metadata(device, None)
     meta.update(transformers=transformers.__version__, model="LlamaForCausalLM " + ("quick" if quick else "ANCHORS"),
                 config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup,
-                without=args.without, use_cache=args.use_cache, layouts=args.layouts)
+                without=args.without, use_cache=args.use_cache, layouts=args.layouts, loss_chunk=args.loss_chunk)
     print(f"{meta['device']}: {meta['model']} {cfg}, {meta['dtype']}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +314,7 @@ def main(argv=None):
         for mode, layout in ((m, x) for m in args.modes for x in args.layouts):
             try:
                 rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without,
-                                     args.use_cache, layout))
+                                     args.use_cache, layout, args.loss_chunk))
             except Exception as e:  # noqa: BLE001  (an n/a row; the other modes still run)
                 print(f"\n  {mode} ({layout}): failed: {common._short_error(e)}", file=sys.stderr)
                 rows.append({"mode": mode, "layout": layout, "error": common._short_error(e)})
@@ -300,6 +322,7 @@ def main(argv=None):
                 if gpu:
                     torch.cuda.empty_cache()
             (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    loss_chunk(None)
     md = table(meta, rows)
     (out / "e2e.md").write_text(md)
     print(f"wrote {out}/e2e.json, e2e.md", file=sys.stderr)
