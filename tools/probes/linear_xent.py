@@ -6,7 +6,11 @@
 # LigerFusedLinearCrossEntropyLoss (where it imports), in one process, bf16, mean over targets of
 # which ~5 % are ignored. Peak: memory one call allocates beyond its inputs, gradients included
 # (as benchmarks/bench_linear_xent.py). Then, for the first shape, where the GPU time of fusedops'
-# default variant and of the unfused form goes, op by op and by operand shapes (torch.profiler).
+# default variant and of the unfused form goes, op by op and by operand shapes (torch.profiler);
+# and for each vocabulary, the cross-entropy pass on one chunk's logits: the fused pass
+# (xent_fwd_bwd_: two reads of a row, the second meant to hit L2, and a write) against xent_fwd +
+# xent_bwd (the same reads and write, both reads from DRAM), in GB/s of the fused pass's
+# fewest bytes (one read, one write).
 #   python3 tools/probes/linear_xent.py                       # the issue's five shapes
 #   python3 tools/probes/linear_xent.py --shapes 8192x4096x128256 --rows 512,768,1536 --no-compile
 #   python3 tools/probes/linear_xent.py --device cpu --shapes 300x64x1000 --rows 64   # a smoke test
@@ -143,6 +147,36 @@ def breakdown(label, fn, h, w, t):
         print(f"  {dev(e) / 1e3:8.2f} ms  x{e.count:<3} {e.key[:40]:40} {shapes}")
 
 
+def xent_pass(rows, v, device, calls=6):
+    """ms and GB/s (of 2 x the logits' bytes) of the fused cross-entropy pass
+    and of the forward then backward pass on [rows, v] bf16 logits, each
+    call on its own buffer (cold in L2)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    zs = [(torch.randn(rows, v, device=device, generator=g) * 3).to(torch.bfloat16) for _ in range(calls)]
+    t = torch.randint(0, v, (rows,), device=device, generator=g)
+    dloss = torch.full((rows,), 1.0 / rows, device=device)
+    ops = torch.ops.fusedops
+
+    def fused(z):
+        ops.xent_fwd_bwd_(z, t, dloss, IGNORE, 0.0, 0.0)
+
+    def split(z):
+        _, lse = ops.xent_fwd(z, t, IGNORE, 0.0, 0.0)
+        ops.xent_bwd(dloss, z, t, lse, IGNORE, 0.0, 0.0)
+    out = {}
+    for name, fn in (("fused xent_fwd_bwd_", fused), ("xent_fwd + xent_bwd", split)):
+        fn(zs[0])
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in zs]
+        for z, (a, b) in zip(zs, ev):
+            a.record()
+            fn(z)
+            b.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+        out[name] = (ms, 2 * rows * v * 2 / ms / 1e6)
+    return out
+
+
 def main():
     args = parse()
     device = torch.device(args.device)
@@ -162,6 +196,7 @@ def main():
     print(f"{machine}, torch {torch.__version__}; bf16, forward+backward, grads of h and W; "
           f"median of {args.iters}; * the library's policy")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    seen = set()  # vocabularies whose cross-entropy pass was timed
     for i, (n, hd, v) in enumerate(shapes):
         h, w, t = make(n, hd, v, device)
         free = LX._free_bytes(h.device)
@@ -189,6 +224,11 @@ def main():
             breakdown("fusedops (library policy)", fused, h, w, t)
             breakdown("unfused", unfused, h, w, t)
         del h, w, t
+        if device.type == "cuda" and v not in seen:
+            seen.add(v)
+            rows = LX.chunk_rows(n, v, hd, 2, LX._free_bytes(device), policy=LX.POLICY)
+            for name, (ms, gbs) in xent_pass(rows, v, device).items():
+                print(f"  cross-entropy pass, {rows} x {v} bf16: {name:20} {ms:7.3f} ms {gbs:7.0f} GB/s")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
