@@ -17,7 +17,7 @@ import torch
 import fusedops  # noqa: F401
 from fusedops import reference
 from fusedops.optim import FusedAdam, FusedAdamW
-from conftest import randn, requires_cuda
+from conftest import ADAM_VARIANTS, adam_variant, randn, requires_cuda
 from tolerances import assert_close_2x
 
 ops = torch.ops.fusedops
@@ -171,6 +171,62 @@ def test_op_cuda_matches_cpu(c):
                 b = b.cpu()
                 if a.numel() and not same_bits(a, b):
                     assert ulps_apart(b.float(), a.float()) <= 1, f"{c} {k}[{i}]"
+
+
+# Sizes for the CUDA plan variants: enough tiles (up to 8192 elements) that a
+# persistent grid's blocks take several and look ahead across tensors, ragged
+# ends, tensors of less than a tile and empty ones between them.
+VARIANT_SHAPES = ((3 << 20) + 5, (1000, 1003), (4097,), (0,), (3,), (1 << 21,), (8191,), (2049, 7), (1 << 20,))
+VARIANT_CASES = [Case(shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, "master", amsgrad=True, grad_scale=True, lr_tensor=True, shapes=VARIANT_SHAPES),
+                 Case(torch.float32, decoupled=False, amsgrad=True, maximize=True, shapes=VARIANT_SHAPES),
+                 Case(torch.float16, "fp32", shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, shapes=VARIANT_SHAPES)]
+
+
+def misaligned(inp, k):
+    """inp with tensor k of every list (but steps) moved one element off its
+    allocation's 16-byte alignment: the kernels' scalar path for that tensor."""
+    def shift(t):
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+        return flat.view(t.shape).copy_(t)
+    return {key: [shift(t) if i == k else t for i, t in enumerate(v)] if isinstance(v, list) and key != "steps"
+            else v for key, v in inp.items()}
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", VARIANT_CASES, ids=str)
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
+def test_op_cuda_variants(variant, c):
+    """Every launch plan a sweep may pick (csrc/adam/adam_cuda.cu, kVariants)
+    passes the float64 check and gives bitwise the default plan's result: the
+    plans change which thread updates an element and how it is loaded, never
+    the arithmetic. One tensor misaligned, so that the scalar path runs too."""
+    inp = misaligned(op_inputs(c, "cuda"), 2)
+    with adam_variant(0):
+        want = run_op(c, inp)
+    with adam_variant(variant):
+        got = run_op(c, inp)
+    for k, outs in want.items():
+        if isinstance(outs, list):
+            for i, (a, b) in enumerate(zip(outs, got[k])):
+                assert same_bits(a, b), f"variant {ADAM_VARIANTS[variant]}: {c} {k}[{i}] differs from the default plan"
+    with adam_variant(variant):
+        check_op(c, "cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
+def test_op_cuda_variants_found_inf(variant):
+    """found_inf != 0 leaves everything unchanged under every plan."""
+    c = Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES[:3])
+    inp = op_inputs(c, "cuda")
+    with adam_variant(variant):
+        got = run_op(c, inp, found_inf=torch.tensor(1.0, device="cuda"))
+    for k, v in got.items():
+        if isinstance(v, list):
+            assert all(same_bits(a, b) for a, b in zip(v, inp[k])), k
 
 
 @pytest.mark.parametrize("dtype,state", [(torch.float32, "param"), (torch.bfloat16, "master"),
