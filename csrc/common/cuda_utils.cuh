@@ -72,7 +72,7 @@ __device__ __forceinline__ uint4 load16(const uint4 *p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     return kCache == kStream ? *p : __ldg(p);  // no cache policies before sm_80
 #else
-    return load16_policy<kCache != kKeep, kCache != kStream>(p);
+    return load16_policy<kCache != kKeep, kCache == kStreamRO>(p);
 #endif
   } else if constexpr (kCache == kReadOnly) {
     return __ldg(p);
