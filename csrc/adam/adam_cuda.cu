@@ -19,7 +19,9 @@
  *                with 16-byte accesses (fp32 arrays of a 16-bit group as
  *                32-byte packs), either from registers (all a tile's loads
  *                issued before any store) or, in the staged shapes, from
- *                shared memory that cp.async fills several tiles ahead;
+ *                shared memory that cp.async (each thread its own elements)
+ *                or the copy engine (cp.async.bulk, a tile of an array an
+ *                instruction, sm_90) fills several tiles ahead;
  *                tensors whose pointers are not all 16-byte aligned, and the
  *                ragged end of a tensor, take a scalar path.
  *   adam_count   steps[i] += 1 for the tensors of the launch, after adam_kernel
@@ -71,14 +73,19 @@ static_assert(sizeof(Table) + sizeof(fo_adam_params) + 16 <= 4096, "kernel argum
 // that loads stay in flight through the update and the stores (no barrier:
 // a thread reads back only what it copied). cs: streaming cache hints (loads
 // evict-first in L2 and not kept in L1, .cs stores): the step touches each
-// byte once.
+// byte once. bulk (sm_90 and up): the staged tiles are copied by the copy
+// engine instead, one cp.async.bulk an array a tile issued by one thread and
+// completing on the stage's mbarrier; the block meets at a barrier before a
+// stage is refilled.
 struct Shape {
   int per, stages;
-  bool cs;
+  bool cs, bulk;
 };
 constexpr Shape kShapes[] = {
-    {16, 0, false}, {32, 0, false}, {16, 0, true}, {32, 0, true},  // registers
-    {8, 2, false},  {8, 3, false},  {8, 4, false},  {8, 4, true}, {8, 6, false},  // shared memory
+    {16, 0, false, false}, {32, 0, false, false}, {16, 0, true, false}, {32, 0, true, false},  // registers
+    {8, 2, false, false},  {8, 3, false, false},  {8, 4, false, false},  {8, 4, true, false},
+    {8, 6, false, false},  // cp.async
+    {8, 3, false, true},   {8, 4, false, true},   {8, 6, false, true},   {16, 3, false, true},  // bulk
 };
 constexpr int kNumShapes = sizeof(kShapes) / sizeof(kShapes[0]);
 constexpr int kRegs16 = 0, kRegs32 = 1;
@@ -121,6 +128,11 @@ constexpr Variant kVariants[] = {
     {"smem8x4-chunks", {6, kChunks, 0}},
     {"smem8x4cs-strided", {7, kStrided, 0}},
     {"smem8x6-strided", {8, kStrided, 0}},
+    {"bulk8x3-strided", {9, kStrided, 0}},
+    {"bulk8x4-strided", {10, kStrided, 0}},
+    {"bulk8x4-chunks", {10, kChunks, 0}},
+    {"bulk8x6-strided", {11, kStrided, 0}},
+    {"bulk16x3-strided", {12, kStrided, 0}},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 int variant = 0;
@@ -262,9 +274,12 @@ __host__ __device__ constexpr int64_t stage_bytes(int per, bool ams) {
          ((MASTER ? 4 : (int64_t)sizeof(P)) + (int64_t)sizeof(P) + (2 + (ams ? 1 : 0)) * (int64_t)sizeof(S));
 }
 
+// Bulk shapes ask for one block an SM at least (no register cap below 255):
+// ptxas otherwise held one of them to 64 registers and spilled; the others
+// keep the compiler's choice (0: none asked).
 template <class P, class S, bool MASTER, int SH>
-__global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_adam_params a, int64_t tiles,
-                                                        int walk) {
+__global__ void __launch_bounds__(kThreads, kShapes[SH].bulk ? 1 : 0)
+    adam_kernel(const Table t, const fo_adam_params a, int64_t tiles, int walk) {
   constexpr Shape sh = kShapes[SH];
   constexpr int PER = sh.per, STAGES = sh.stages;
   constexpr int64_t kTile = (int64_t)kThreads * PER;
@@ -295,15 +310,42 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_
     auto slot = [&](int u, int size) { return ((int64_t)u * kThreads + threadIdx.x) * VEC * size; };
     auto full = [&](int i, int64_t base) { return t.vec[i] && base + kTile <= t.numel[i]; };
     Cursor ahead;
-    // Tile `tile` (or none, past the block's end) into stage s: one cp.async
-    // group either way, so that group k is always the block's k-th tile.
+    __shared__ uint64_t landed[kShapes[SH].bulk ? STAGES : 1];  // bulk: stage s's copies have landed
+    if constexpr (kShapes[SH].bulk) {
+      if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(&landed[s], 1);
+        mbar_init_fence();
+      }
+      __syncthreads();
+    }
+    // Tile `tile` (or none, past the block's end) into stage s. cp.async:
+    // each thread copies its own slots, and commits one group either way, so
+    // that group k is always the block's k-th tile. bulk: thread 0 copies the
+    // tile of each array and completes the stage's phase (with no bytes for
+    // a tile the scalar path takes), once for each of the block's tiles.
     auto issue = [&](int64_t tile, int s) {
-      if (tile < r.end) {
+      const bool mine = tile < r.end;
+      int i = 0;
+      int64_t base = 0;
+      if (mine) {
         ahead.seek(t, tile, kTile);
-        const int i = ahead.i;
-        const int64_t base = (tile - ahead.lo) * kTile;
-        if (full(i, base)) {
-          char *st = smem + s * stage;
+        i = ahead.i;
+        base = (tile - ahead.lo) * kTile;
+      }
+      char *st = smem + s * stage;
+      if constexpr (kShapes[SH].bulk) {
+        if (threadIdx.x != 0 || !mine) return;
+        if (!full(i, base)) return mbar_arrive(&landed[s]);
+        fence_proxy_async_smem();  // the block's reads of the stage before the copy engine's writes
+        mbar_arrive_expect_tx(&landed[s], (uint32_t)stage);
+        const void *pl = MASTER ? (const void *)(t.master[i] + base) : (const void *)at<P>(t.p[i], base);
+        bulk_load(st, pl, kTile * sizeof(PL), &landed[s]);
+        bulk_load(st + off_g, static_cast<const P *>(t.g[i]) + base, kTile * sizeof(P), &landed[s]);
+        bulk_load(st + off_m, at<S>(t.m[i], base), kTile * sizeof(S), &landed[s]);
+        bulk_load(st + off_v, at<S>(t.v[i], base), kTile * sizeof(S), &landed[s]);
+        if (ams) bulk_load(st + off_x, at<S>(t.vmax[i], base), kTile * sizeof(S), &landed[s]);
+      } else {
+        if (mine && full(i, base)) {
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int64_t e = base + ((int64_t)u * kThreads + threadIdx.x) * VEC;
@@ -315,8 +357,8 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_
             if (ams) cp_async_bytes<VEC * sizeof(S)>(st + off_x + slot(u, sizeof(S)), at<S>(t.vmax[i], e));
           }
         }
+        cp_async_commit();
       }
-      cp_async_commit();
     };
     int64_t next = r.first;
 #pragma unroll 1
@@ -324,11 +366,14 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_
     int j = 0;
 #pragma unroll 1
     for (int64_t tile = r.first; tile < r.end; tile += r.step, next += r.step, ++j) {
-      // Stage (j - 1) % STAGES takes the tile STAGES - 1 ahead: this thread
-      // read its part of that stage in the previous iteration, and those
-      // values were used (stored) before this point.
+      // Stage (j - 1) % STAGES takes the tile STAGES - 1 ahead. cp.async:
+      // this thread read its part of that stage in the previous iteration,
+      // and those values were used (stored) before this point. bulk: every
+      // thread's reads of it come before the barrier.
+      if constexpr (kShapes[SH].bulk) __syncthreads();
       issue(next, (j + STAGES - 1) % STAGES);
-      cp_async_wait<STAGES - 1>();  // this tile's group has landed
+      if constexpr (kShapes[SH].bulk) mbar_wait(&landed[j % STAGES], (uint32_t)(j / STAGES) & 1u);
+      else cp_async_wait<STAGES - 1>();  // this tile's group has landed
       cur.seek(t, tile, kTile);
       const int i = cur.i;
       if (i != ci) c = coef_of(t, ci = i, a, lr, scale);
@@ -350,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_
         update_store<P, S, MASTER, sh.cs>(t, i, e, c, p, g, m, v, x);
       }
     }
-    cp_async_wait<0>();
+    if constexpr (!kShapes[SH].bulk) cp_async_wait<0>();
   }
 }
 
@@ -415,7 +460,9 @@ extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
   const auto shapes = std::make_integer_sequence<int, kNumShapes>{};
   Pick k = pick(plan.shape, a->param_dtype, a->state_dtype, master, a->amsgrad, shapes);
   int shape = plan.shape;
-  if (k.smem > smem_optin(device)) {  // a staged shape too large here (amsgrad adds a tile): registers
+  // A staged shape too large here (amsgrad adds a tile), or the copy engine's
+  // bulk copies below sm_90: the register shape instead.
+  if (k.smem > smem_optin(device) || (kShapes[shape].bulk && compute_capability(device) < 90)) {
     shape = kRegs16;
     k = pick(shape, a->param_dtype, a->state_dtype, master, a->amsgrad, shapes);
   }

@@ -371,6 +371,49 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
 #endif
 }
 
+// Makes the mbarrier inits of this thread visible to the copy engine and to
+// the other threads (before a barrier) (sm_90 and up).
+__device__ __forceinline__ void mbar_init_fence() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// Orders this thread's (and, after a barrier, the block's) generic-proxy
+// accesses of shared memory before later async-proxy ones (bulk copies into
+// it) (sm_90 and up).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// One arrival on bar that also expects `bytes` more of asynchronous copies
+// (cp.async.bulk) before its phase completes (sm_90 and up).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) global ->
+// shared by the copy engine (TMA, one instruction), completing on bar as
+// transaction bytes (sm_90 and up).
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
+
 // --- thread-block clusters (sm_90 and up) -------------------------------------------------
 // A row too wide for one block's registers is split across the blocks of a
 // cluster, which exchange their partial sums through distributed shared
