@@ -86,9 +86,18 @@ def op_inputs(c, device):
     )
 
 
-def run_op(c, inp, found_inf=None):
-    """adam_step on copies of inp; returns the updated lists."""
-    out = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in inp.items()}
+def off_aligned(t):
+    """A copy of t one element past a 16-byte boundary (a view into a larger
+    buffer): the CUDA kernels take their scalar path for such a tensor."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def run_op(c, inp, found_inf=None, misalign=None):
+    """adam_step on copies of inp; returns the updated lists. misalign: the
+    index of a tensor whose copies (in every list but steps) are off_aligned."""
+    out = {k: [off_aligned(t) if i == misalign and k != "steps" else t.clone() for i, t in enumerate(v)]
+           if isinstance(v, list) else v for k, v in inp.items()}
     lr_t = torch.tensor(HP["lr"], device=inp["steps"][0].device) if c.lr_tensor else None
     ops.adam_step(out["params"], out["grads"], out["exp_avgs"], out["exp_avg_sqs"], out["max_exp_avg_sqs"],
                   out["master_params"], out["steps"], 0.0 if c.lr_tensor else HP["lr"], HP["beta1"],
@@ -185,16 +194,6 @@ VARIANT_CASES = [Case(shapes=VARIANT_SHAPES),
                  Case(torch.bfloat16, shapes=VARIANT_SHAPES)]
 
 
-def misaligned(inp, k):
-    """inp with tensor k of every list (but steps) moved one element off its
-    allocation's 16-byte alignment: the kernels' scalar path for that tensor."""
-    def shift(t):
-        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
-        return flat.view(t.shape).copy_(t)
-    return {key: [shift(t) if i == k else t for i, t in enumerate(v)] if isinstance(v, list) and key != "steps"
-            else v for key, v in inp.items()}
-
-
 @requires_cuda
 @pytest.mark.parametrize("c", VARIANT_CASES, ids=str)
 @pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
@@ -202,12 +201,14 @@ def test_op_cuda_variants(variant, c):
     """Every launch plan a sweep may pick (csrc/adam/adam_cuda.cu, kVariants)
     passes the float64 check and gives bitwise the default plan's result: the
     plans change which thread updates an element and how it is loaded, never
-    the arithmetic. One tensor misaligned, so that the scalar path runs too."""
-    inp = misaligned(op_inputs(c, "cuda"), 2)
+    the arithmetic. One tensor off 16-byte alignment, so that the scalar path
+    runs too."""
+    inp = op_inputs(c, "cuda")
     with adam_variant(0):
-        want = run_op(c, inp)
+        want = run_op(c, inp, misalign=2)
     with adam_variant(variant):
-        got = run_op(c, inp)
+        got = run_op(c, inp, misalign=2)
+    assert got["params"][2].data_ptr() % 16 and got["params"][1].data_ptr() % 16 == 0
     for k, outs in want.items():
         if isinstance(outs, list):
             for i, (a, b) in enumerate(zip(outs, got[k])):
