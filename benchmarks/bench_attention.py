@@ -25,7 +25,8 @@ scores, full causal). Their FLOPs count the visible work only (the pairs the
 mask keeps). Peers: torch's SDPA with the equivalent dense bool mask, on CUDA
 FlexAttention (compiled, with a block mask) where torch has it, and our own
 kernel on the unmasked call beside it (fusedops_causal: the full causal
-square; fusedops_nocap: the same call without soft-capping).
+square; fusedops_nocap: the same call without soft-capping) and, on CUDA, the
+masked call on the mma.sync kernels (fusedops_mma).
 """
 import contextlib
 import itertools
@@ -84,13 +85,13 @@ def _wgmma_off():
 class _MmaSync(torch.autograd.Function):
     """fusedops on its mma.sync kernels (what GPUs other than the H100 / H200
     run) where the wgmma ones would take it, forward and backward: the op's
-    graph is kept from the forward and run under the same setting."""
+    graph (fn(q, k, v)) is kept from the forward and run under the same setting."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
+    def forward(ctx, fn, q, k, v):
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
         with _wgmma_off(), torch.enable_grad():
-            out = functional.flash_attention(*leaves, causal=causal)
+            out = fn(*leaves)
         ctx.graph = (out, leaves)
         return out.detach()
 
@@ -99,11 +100,12 @@ class _MmaSync(torch.autograd.Function):
         out, leaves = ctx.graph
         with _wgmma_off():
             grads = torch.autograd.grad(out, leaves, dout)
-        return (*grads, None)
+        return (None, *grads)
 
 
-def _mma_sync(q, k, v, causal):
-    return _MmaSync.apply(q, k, v, causal)
+def _mma_sync(fn):
+    """The fusedops call fn(q, k, v, *args) on the mma.sync kernels."""
+    return lambda q, k, v, *args: _MmaSync.apply(lambda *t: fn(*t, *args), q, k, v)
 
 
 def _impls(device):
@@ -117,7 +119,7 @@ def _impls(device):
         # deterministic=True: the backward's dQ by its own kernel instead of atomics.
         impls["fusedops_det"] = lambda q, k, v, causal: functional.flash_attention(
             q, k, v, causal=causal, deterministic=True)
-        impls["fusedops_mma"] = _mma_sync
+        impls["fusedops_mma"] = _mma_sync(impls["fusedops"])
     else:
         impls["sdpa"] = _sdpa(None)
     impls["eager"] = lambda q, k, v, causal: reference.attention(q, k, v, causal)
@@ -201,6 +203,8 @@ def _mask_cases(device, quick):
             impls["fusedops"] = lambda q, k, v, c=arg: functional.flash_attention(q, k, v, causal=True, softcap=c)
             impls["fusedops_nocap"] = lambda q, k, v: functional.flash_attention(q, k, v, causal=True)
             pairs = S * (S + 1) // 2
+        if device.type == "cuda":
+            impls["fusedops_mma"] = _mma_sync(impls["fusedops"])
         if kind != "softcap":
             impls["fusedops_causal"] = lambda q, k, v: functional.flash_attention(q, k, v, causal=True)
             impls["sdpa_mask"] = lambda q, k, v, m=keep: F.scaled_dot_product_attention(

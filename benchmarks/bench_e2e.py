@@ -8,6 +8,8 @@ and fusedops + torch.compile. Reports tokens/s, step time and peak memory.
     python -m benchmarks.bench_e2e --modes eager,fusedops --steps 20
     python -m benchmarks.bench_e2e --modes fusedops --without attention   # an ablation
     python -m benchmarks.bench_e2e --vocab 128256 --modes eager,compile,fusedops,liger
+    python -m benchmarks.bench_e2e --modes eager,fusedops --layouts padded,packed
+    python -m benchmarks.bench_e2e --vocab 128256 --modes fusedops --loss-chunk 2048   # a chunk variant
 
 The ANCHORS.md configuration: 748 M parameters (12 layers, hidden 2048, 16
 heads, MLP 5632, vocab 32000, untied embeddings), batch 4 x 2048 tokens, bf16
@@ -25,7 +27,24 @@ and ForCausalLMLoss. --vocab sets the vocabulary (128256: Llama 3's, where
 the logits are the step's largest tensor). The liger mode (not in the
 default list) applies Liger-Kernel's Llama patches (RMSNorm, SwiGLU, RoPE,
 fused linear cross-entropy) with torch's fused AdamW, where liger_kernel
-imports.
+imports. Liger patches transformers' Llama classes for the whole process,
+so the liger mode runs after the others whatever the order asked; the table
+gives every mode's tokens/s and memory against liger's too where it ran.
+
+--layouts: "padded" (each row one sequence of --seq tokens, the default)
+and/or "packed" (the same tokens as one row of documents of mixed length,
+log-uniform between seq / 32 and seq, concatenated without padding,
+position_ids restarting at each document and the label of each document's
+first token ignored, as transformers' DataCollatorWithFlattening makes
+them; use_cache=False, as transformers finds packed documents from
+position_ids only then). The fusedops modes run their varlen attention on
+packed documents; eager, compile and liger get transformers' mask for them.
+Every mode runs each layout, one row each.
+
+--loss-chunk: the fused loss's chunk variant in the fusedops modes, a
+policy of fusedops.ops.linear_xent.POLICIES or a count of rows a chunk
+(the module's in-process variants, as tools/probes/linear_xent.py sets
+them): the step's time and peak memory under another chunking.
 
 Needs transformers (pip install fusedops[hf]). Not part of `python -m
 benchmarks.run` (whose bench_<op>.py files time one op each): run it on its
@@ -51,6 +70,7 @@ from benchmarks import common  # noqa: E402
 MODES = ("eager", "compile", "fusedops", "fusedops+compile")
 OPTIONAL_MODES = ("liger",)  # asked for by name
 WITHOUT = ("norm", "swiglu", "attention", "fuse_residual", "loss", "adamw")
+LAYOUTS = ("padded", "packed")
 GiB = 1 << 30
 
 # ANCHORS.md, End to end.
@@ -82,12 +102,25 @@ def parse_args(argv=None):
                    "transformers 5.x looks for packed sequences in position_ids every forward: a "
                    "host sync in eager, and under torch.compile a materialized causal mask, which "
                    "takes the attention to torch's SDPA in every mode")
+    p.add_argument("--loss-chunk", default=None, help="the fused loss's chunk policy (weight, input, free) or "
+                   "rows a chunk, in the fusedops modes (default: the library's)")
+    p.add_argument("--layouts", default="padded", help="comma-separated, of padded,packed (default %(default)s)")
     p.add_argument("--out", default="bench-results", help="output folder (default %(default)s)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES + OPTIONAL_MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; have {list(MODES + OPTIONAL_MODES)}")
+    # Liger's patches stay on transformers' classes: its mode goes last.
+    args.modes = [m for m in args.modes if m != "liger"] + [m for m in args.modes if m == "liger"]
+    if args.loss_chunk is not None and not args.loss_chunk.isdigit():
+        from fusedops.ops import linear_xent
+        if args.loss_chunk not in linear_xent.POLICIES:
+            p.error(f"--loss-chunk: {args.loss_chunk!r}; expected rows or one of {list(linear_xent.POLICIES)}")
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in args.layouts if x not in LAYOUTS]
+    if bad or not args.layouts:
+        p.error(f"--layouts: unknown {bad}; have {list(LAYOUTS)}")
     args.without = [w.strip() for w in args.without.split(",") if w.strip()]
     bad = [w for w in args.without if w not in WITHOUT]
     if bad:
@@ -122,9 +155,32 @@ def build(cfg, mode, dtype, device, without=(), seed=0, use_cache=True):
     return model, run, opt
 
 
-def train_step(run, opt, ids):
-    """One training step of a language model on ids (its own labels); the loss."""
-    loss = run(input_ids=ids, labels=ids).loss
+def make_batch(cfg, layout, device, seed=1):
+    """The step's model inputs: input_ids and labels, and for "packed" the
+    position_ids of documents concatenated into one row (the module doc)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b, s = cfg["batch"], cfg["seq"]
+    ids = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
+    if layout == "padded":
+        return dict(input_ids=ids.to(device), labels=ids.to(device))
+    total, lengths = b * s, []
+    lo, hi = max(2, s // 32), s
+    while sum(lengths) < total:
+        n = int(torch.exp(torch.empty(()).uniform_(float(torch.tensor(lo).log()), float(torch.tensor(hi).log()),
+                                                     generator=g)))
+        lengths.append(min(n, total - sum(lengths)))
+    ids = ids.reshape(1, total)
+    labels = ids.clone()
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    labels[0, starts] = -100  # no document predicts the next one's first token
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return dict(input_ids=ids.to(device), labels=labels.to(device), position_ids=pos.to(device))
+
+
+def train_step(run, opt, batch):
+    """One training step of a language model on batch (input_ids, labels,
+    perhaps position_ids); the loss."""
+    loss = run(**batch).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -136,18 +192,27 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True):
+def loss_chunk(chunk):
+    """Set the fused loss's chunk variant (--loss-chunk; None: the library's)."""
+    from fusedops.ops import linear_xent
+    linear_xent._POLICY = None if chunk is None or chunk.isdigit() else chunk
+    linear_xent._CHUNK_ROWS = int(chunk) if chunk is not None and chunk.isdigit() else None
+
+
+def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True, layout="padded",
+             chunk=None):
     """Train warmup + steps steps; returns the result row."""
     torch._dynamo.reset()
+    loss_chunk(chunk if mode.startswith("fusedops") else None)
+    use_cache = use_cache and layout == "padded"
     model, run, opt = build(cfg, mode, dtype, device, without, use_cache=use_cache)
     if device.type == "cuda":  # after the build, which holds an fp32 copy for a moment
         torch.cuda.reset_peak_memory_stats(device)
     params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+    batch = make_batch(cfg, layout, device)
 
     def step():
-        return train_step(run, opt, ids)
+        return train_step(run, opt, batch)
 
     losses, times, warm_s = [], [], 0.0
     t0 = time.perf_counter()
@@ -171,7 +236,7 @@ def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True
     secs = [s.elapsed_time(e) / 1e3 for s, e in times] if device.type == "cuda" else times
     ms = statistics.median(secs[warmup:]) * 1e3
     tokens = cfg["batch"] * cfg["seq"]
-    row = {"mode": mode, "params": params, "tokens_per_step": tokens, "step_ms": ms,
+    row = {"mode": mode, "layout": layout, "params": params, "tokens_per_step": tokens, "step_ms": ms,
            "tokens_per_s": tokens / ms * 1e3, "warmup_s": round(warm_s, 1),
            "first_loss": losses[0].item(), "last_loss": losses[-1].item(),
            "peak_GiB": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None}
@@ -183,25 +248,35 @@ def run_mode(cfg, mode, dtype, device, warmup, steps, without=(), use_cache=True
 
 
 def table(meta, rows):
-    """Markdown: one row per mode, with tokens/s and memory against compile's."""
-    base = next((r for r in rows if r["mode"] == "compile" and "error" not in r), None)
-    head = ["mode", "tokens/s", "step ms", "peak GiB", "vs compile (tokens/s)", "vs compile (memory)",
-            "loss first -> last"]
+    """Markdown: one row per mode and layout, with tokens/s and memory against
+    compile's and (where it ran) liger's of the same layout."""
+    def base(mode, layout):
+        return next((r for r in rows if r["mode"] == mode and r.get("layout") == layout and "error" not in r),
+                    None)
+    with_liger = any(r["mode"] == "liger" and "error" not in r for r in rows)
+    head = (["mode", "layout", "tokens/s", "step ms", "peak GiB", "vs compile (tokens/s)", "vs compile (memory)"]
+            + (["vs liger (tokens/s)", "vs liger (memory)"] if with_liger else []) + ["loss first -> last"])
     lines = [f"# End to end: {meta['model']} on {meta['device']}", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, commit "
              f"{meta['git_commit'][:10]}; median of {meta['steps']} steps after {meta['warmup']}"
              + (f"; fusedops modes without {', '.join(meta['without'])}" if meta["without"] else "")
-             + ("; use_cache=False" if meta.get("use_cache") is False else "") + ".", "",
+             + ("; use_cache=False" if meta.get("use_cache") is False else "")
+             + (f"; fused loss chunk {meta['loss_chunk']}" if meta.get("loss_chunk") else "")
+             + ("; packed: documents of mixed length in one row, use_cache=False"
+                if "packed" in meta.get("layouts", ()) else "") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mode']} | n/a: {r['error']} |" + " |" * (len(head) - 2))
+            lines.append(f"| {r['mode']} | {r.get('layout', '')} | n/a: {r['error']} |" + " |" * (len(head) - 3))
             continue
         peak = "" if r["peak_GiB"] is None else f"{r['peak_GiB']:.2f}"
-        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
-        mem = f"{r['peak_GiB'] / base['peak_GiB']:.2f}x" if base and r["peak_GiB"] else ""
-        lines.append(f"| {r['mode']} | {r['tokens_per_s'] / 1e3:.2f} k | {r['step_ms']:.1f} | {peak} | "
-                     f"{speed} | {mem} | {r['first_loss']:.4f} -> {r['last_loss']:.4f} |")
+        ratios = []
+        for mode in ("compile", "liger") if with_liger else ("compile",):
+            b = base(mode, r["layout"])
+            ratios += [f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if b else "",
+                       f"{r['peak_GiB'] / b['peak_GiB']:.2f}x" if b and r["peak_GiB"] else ""]
+        lines.append(f"| {r['mode']} | {r['layout']} | {r['tokens_per_s'] / 1e3:.2f} k | {r['step_ms']:.1f} | "
+                     f"{peak} | " + " | ".join(ratios) + f" | {r['first_loss']:.4f} -> {r['last_loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +302,7 @@ def main(argv=None):
     meta = common.metadata(device, None)
     meta.update(transformers=transformers.__version__, model="LlamaForCausalLM " + ("quick" if quick else "ANCHORS"),
                 config=cfg, dtype=common.DTYPE_NAMES[dtype], steps=steps, warmup=warmup,
-                without=args.without, use_cache=args.use_cache)
+                without=args.without, use_cache=args.use_cache, layouts=args.layouts, loss_chunk=args.loss_chunk)
     print(f"{meta['device']}: {meta['model']} {cfg}, {meta['dtype']}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,17 +311,18 @@ def main(argv=None):
         # fusedops' SDPA says once per reason when it hands a call to torch's;
         # shown once here too, not per mode.
         warnings.simplefilter("once")
-        for mode in args.modes:
+        for mode, layout in ((m, x) for m in args.modes for x in args.layouts):
             try:
                 rows.append(run_mode(cfg, mode, dtype, device, warmup, steps, args.without,
-                                     args.use_cache))
+                                     args.use_cache, layout, args.loss_chunk))
             except Exception as e:  # noqa: BLE001  (an n/a row; the other modes still run)
-                print(f"\n  {mode}: failed: {common._short_error(e)}", file=sys.stderr)
-                rows.append({"mode": mode, "error": common._short_error(e)})
+                print(f"\n  {mode} ({layout}): failed: {common._short_error(e)}", file=sys.stderr)
+                rows.append({"mode": mode, "layout": layout, "error": common._short_error(e)})
                 gc.collect()
                 if gpu:
                     torch.cuda.empty_cache()
             (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    loss_chunk(None)
     md = table(meta, rows)
     (out / "e2e.md").write_text(md)
     print(f"wrote {out}/e2e.json, e2e.md", file=sys.stderr)

@@ -62,13 +62,20 @@ STABLE_TORCH_LIBRARY(fusedops, m) {
   // of the loss flagged by input_grad / weight_grad / bias_grad come out of
   // the same pass (empty where not flagged: the backward scales them); with
   // "none" they are empty, and linear_xent_bwd recomputes the chunks' logits
-  // for the gradient of sum_r dloss_r loss_r.
+  // for the gradient of sum_r dloss_r loss_r. num_items (one number, any
+  // device): the mean's divisor instead of the count of targets that are not
+  // ignore_index (Hugging Face's num_items_in_batch), so that the gradients
+  // come out of the forward for it too.
   m.def("linear_xent_fwd(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
         "str reduction, float label_smoothing, float softcap, bool input_grad, bool weight_grad, "
-        "bool bias_grad) -> (Tensor loss, Tensor dinput, Tensor dweight, Tensor dbias)");
+        "bool bias_grad, Tensor? num_items=None) -> (Tensor loss, Tensor dinput, Tensor dweight, Tensor dbias)");
   m.def("linear_xent_bwd(Tensor dloss, Tensor input, Tensor weight, Tensor? bias, Tensor target, "
         "int ignore_index, float label_smoothing, float softcap, bool input_grad, bool weight_grad, "
         "bool bias_grad) -> (Tensor dinput, Tensor dweight, Tensor dbias)");
+  // linear_xent_fwd's backward with "mean" or "sum": a gradient it handed out
+  // (contiguous) times the loss's (dloss, one fp32 value), read on the
+  // device; nothing read or written where dloss is 1 (csrc/xent/xent.h).
+  m.def("linear_xent_scale_(Tensor(a!) grad, Tensor dloss) -> ()");
   // Attention (csrc/attention): out = softmax(scale * q k^T) v on [batch, seq,
   // heads, head_dim] tensors read through their strides (last dim unit-stride;
   // (B, H, S, D)-transposed views need no copy). k and v have Hkv heads, Hq a

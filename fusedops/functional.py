@@ -796,11 +796,7 @@ def _xent_f32(logits, target, ignore_index, reduction, num_items=None, label_smo
     num_items_in_batch: the sum divided by it)."""
     if num_items is None or reduction == "none":
         return _xent.xent_fwd(logits, target, ignore_index, float(label_smoothing), 0.0, reduction)[0]
-    return _per_item(_xent.xent_fwd(logits, target, ignore_index, float(label_smoothing), 0.0, "sum")[0], num_items)
-
-
-def _per_item(total, num_items):
-    """A summed loss divided by num_items (a number or a tensor)."""
+    total = _xent.xent_fwd(logits, target, ignore_index, float(label_smoothing), 0.0, "sum")[0]
     return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
 
 
@@ -845,8 +841,8 @@ def _linear_xent_gap(input, weight, bias):
 def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                      softcap=0.0, num_items=None):
     """linear_cross_entropy's loss in fp32 (before the cast to input's dtype),
-    input [..., hidden] and target [...]; num_items as in _xent_f32 (then the
-    kernel sums). Under autocast input, weight and bias in its dtype, as
+    input [..., hidden] and target [...]; num_items as in _xent_f32 (the
+    op's mean divides by it). Under autocast input, weight and bias in its dtype, as
     torch's linear takes them."""
     op = "linear_cross_entropy"
     if input.dim() < 1 or target.shape != input.shape[:-1]:
@@ -861,12 +857,12 @@ def _linear_xent_f32(input, weight, target, bias=None, ignore_index=-100, reduct
     else:
         x, weight, bias = _lower_precision(x, weight, bias)
     _linear_xent_ops.check_args(op, x, weight, bias, t, None, float(label_smoothing), float(softcap))
-    kernel_reduction = "sum" if num_items is not None else reduction
     grads = [_needs_grad(a) for a in (x, weight)] + [bias is not None and _needs_grad(bias)]
-    loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, kernel_reduction,
-                                            float(label_smoothing), float(softcap), *grads)[0]
-    if num_items is not None:
-        loss = _per_item(loss, num_items)
+    if num_items is not None:  # the mean over num_items, in the op: its gradients then need no scaling
+        reduction = "mean"
+        num_items = torch.as_tensor(num_items)
+    loss = _linear_xent_ops.linear_xent_fwd(x, weight, bias, t, ignore_index, reduction, float(label_smoothing),
+                                            float(softcap), *grads, num_items)[0]
     return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
 
 

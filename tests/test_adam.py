@@ -17,7 +17,7 @@ import torch
 import fusedops  # noqa: F401
 from fusedops import reference
 from fusedops.optim import FusedAdam, FusedAdamW
-from conftest import randn, requires_cuda
+from conftest import ADAM_VARIANTS, adam_variant, randn, requires_cuda
 from tolerances import assert_close_2x
 
 ops = torch.ops.fusedops
@@ -86,9 +86,18 @@ def op_inputs(c, device):
     )
 
 
-def run_op(c, inp, found_inf=None):
-    """adam_step on copies of inp; returns the updated lists."""
-    out = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in inp.items()}
+def off_aligned(t):
+    """A copy of t one element past a 16-byte boundary (a view into a larger
+    buffer): the CUDA kernels take their scalar path for such a tensor."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def run_op(c, inp, found_inf=None, misalign=None):
+    """adam_step on copies of inp; returns the updated lists. misalign: the
+    index of a tensor whose copies (in every list but steps) are off_aligned."""
+    out = {k: [off_aligned(t) if i == misalign and k != "steps" else t.clone() for i, t in enumerate(v)]
+           if isinstance(v, list) else v for k, v in inp.items()}
     lr_t = torch.tensor(HP["lr"], device=inp["steps"][0].device) if c.lr_tensor else None
     ops.adam_step(out["params"], out["grads"], out["exp_avgs"], out["exp_avg_sqs"], out["max_exp_avg_sqs"],
                   out["master_params"], out["steps"], 0.0 if c.lr_tensor else HP["lr"], HP["beta1"],
@@ -171,6 +180,54 @@ def test_op_cuda_matches_cpu(c):
                 b = b.cpu()
                 if a.numel() and not same_bits(a, b):
                     assert ulps_apart(b.float(), a.float()) <= 1, f"{c} {k}[{i}]"
+
+
+# Sizes for the CUDA plan variants: enough tiles (up to 8192 elements) that a
+# persistent grid's blocks take several and look ahead across tensors, ragged
+# ends, tensors of less than a tile and empty ones between them.
+VARIANT_SHAPES = ((3 << 20) + 5, (1000, 1003), (4097,), (0,), (3,), (1 << 21,), (8191,), (2049, 7), (1 << 20,))
+VARIANT_CASES = [Case(shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, "master", amsgrad=True, grad_scale=True, lr_tensor=True, shapes=VARIANT_SHAPES),
+                 Case(torch.float32, decoupled=False, amsgrad=True, maximize=True, shapes=VARIANT_SHAPES),
+                 Case(torch.float16, "fp32", shapes=VARIANT_SHAPES),
+                 Case(torch.bfloat16, shapes=VARIANT_SHAPES)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", VARIANT_CASES, ids=str)
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
+def test_op_cuda_variants(variant, c):
+    """Every launch plan a sweep may pick (csrc/adam/adam_cuda.cu, kVariants)
+    passes the float64 check and gives bitwise the default plan's result: the
+    plans change which thread updates an element and how it is loaded, never
+    the arithmetic. One tensor off 16-byte alignment, so that the scalar path
+    runs too."""
+    inp = op_inputs(c, "cuda")
+    with adam_variant(0):
+        want = run_op(c, inp, misalign=2)
+    with adam_variant(variant):
+        got = run_op(c, inp, misalign=2)
+    assert got["params"][2].data_ptr() % 16 and got["params"][1].data_ptr() % 16 == 0
+    for k, outs in want.items():
+        if isinstance(outs, list):
+            for i, (a, b) in enumerate(zip(outs, got[k])):
+                assert same_bits(a, b), f"variant {ADAM_VARIANTS[variant]}: {c} {k}[{i}] differs from the default plan"
+    with adam_variant(variant):
+        check_op(c, "cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
+def test_op_cuda_variants_found_inf(variant):
+    """found_inf != 0 leaves everything unchanged under every plan."""
+    c = Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES[:3])
+    inp = op_inputs(c, "cuda")
+    with adam_variant(variant):
+        got = run_op(c, inp, found_inf=torch.tensor(1.0, device="cuda"))
+    for k, v in got.items():
+        if isinstance(v, list):
+            assert all(same_bits(a, b) for a, b in zip(v, inp[k])), k
 
 
 @pytest.mark.parametrize("dtype,state", [(torch.float32, "param"), (torch.bfloat16, "master"),

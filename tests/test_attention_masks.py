@@ -97,7 +97,16 @@ MISC_CASES += [replace(BASE, layout="bhsd", window=(16, 16), dtype=dt) for dt in
 MISC_CASES += [Case(B=1, Sq=1000, Sk=1000, Hq=2, Hkv=1, D=64, causal=True, window=(100, -1)),
                Case(B=1, Sq=1000, Sk=1000, Hq=2, Hkv=1, D=128, window=(0, 200), softcap=20.0,
                     dtype=torch.float16)]
-PADDED_CASES = WINDOW_CASES + SOFTCAP_CASES + MISC_CASES
+# Shapes of the Hopper warp-specialised kernels' masked instances (head dims
+# 64 and 128, bf16 / fp16; elsewhere the mma.sync kernels or the CPU run
+# them): several 128-row query and key tiles, so that whole tiles are
+# skipped, cut by the band or by the sequence's end, and Sq != Sk.
+WS_CASES = [Case(B=1, Sq=600, Sk=600, Hq=4, Hkv=2, D=128, causal=True, window=(200, 0), softcap=30.0),
+            Case(B=2, Sq=520, Sk=390, Hq=2, Hkv=1, D=64, window=(130, 70), dtype=torch.float16),
+            Case(B=1, Sq=300, Sk=450, Hq=8, Hkv=2, D=128, softcap=50.0, dtype=torch.float16),
+            Case(B=1, Sq=450, Sk=300, Hq=2, Hkv=2, D=64, causal=True, window=(0, 0)),
+            Case(B=1, Sq=385, Sk=385, Hq=2, Hkv=1, D=128, window=(-1, 129), softcap=5.0)]
+PADDED_CASES = WINDOW_CASES + SOFTCAP_CASES + MISC_CASES + WS_CASES
 
 
 def assert_same(got, want, same_kernel, msg):
@@ -114,8 +123,8 @@ def test_window_covering_everything_is_no_window(device):
     """A window at least as wide as the sequence (W >= S) and window (-1, 0)
     without causal give what no window and causal give: bitwise where the same
     kernel runs both (the CPU; window (-1, 0) is the causal call everywhere),
-    else (CUDA: windows take the mma.sync kernels, plain calls on Hopper the
-    wgmma ones) within the bf16 rounding of one result (each is checked
+    else (CUDA: windows take their own instances, mma.sync or, on Hopper,
+    warp-specialised) within the bf16 rounding of one result (each is checked
     against float64 by the other tests)."""
     c = replace(BASE, Sq=100, Sk=100)
     skip_unless_supported(c, device)
@@ -209,6 +218,14 @@ VARLEN_CASES += [replace(VBASE, lq=(7, 64, 100), Hq=hq, Hkv=hkv, causal=True, so
                  for (hq, hkv), cap, dt in [((4, 4), 0.0, torch.bfloat16), ((8, 2), 5.0, torch.float16),
                                             ((6, 1), 0.0, torch.float32)]]
 VARLEN_CASES += [replace(VBASE, lq=(1000,), causal=True, window=(255, 0), softcap=50.0)]
+# The Hopper warp-specialised kernels' shapes (WS_CASES): sequences of several
+# tiles and not multiples of one, whose tiles run past their sequence's end
+# into the next one's rows; empty sequences; Sq != Sk within sequences.
+WS_VARLEN = [replace(VBASE, lq=(300, 0, 129, 517), lk=(260, 5, 129, 600), D=128, causal=True, window=(100, -1)),
+             replace(VBASE, lq=(1, 257, 130, 0, 390), D=64, softcap=50.0, dtype=torch.float16),
+             replace(VBASE, lq=(200, 333, 64), lk=(450, 129, 64), Hq=8, Hkv=2, D=128, causal=True),
+             replace(VBASE, lq=(129, 0, 700), lk=(129, 3, 700), D=64, window=(64, 64), softcap=5.0)]
+VARLEN_CASES += WS_VARLEN
 
 
 
@@ -241,8 +258,9 @@ def test_cpu_bf16_without_dot_tiles(c):
 def test_varlen_matches_padded(device, causal, window):
     """Equal-length sequences packed give what the padded batch gives (for sq
     = sk the two alignments agree): bitwise where one kernel runs both (the
-    CPU; windows on CUDA), else (CUDA's plain causal call, which has kernels
-    of its own) within the bf16 rounding of one result."""
+    CPU; windows on CUDA: one instance, whose dq here sums at most two parts
+    a query tile, which add in either order to the same bits), else (CUDA's plain causal call, which has kernels of its
+    own) within the bf16 rounding of one result."""
     c = replace(VBASE, lq=(100, 100, 100), causal=causal, window=window)
     skip_unless_supported(c, device)
     q, k, v, dout, cu_q, cu_k = varlen_inputs(c, device)
@@ -301,6 +319,7 @@ def test_poisoned_outputs(device, c):
 
 
 DET_CASES = [replace(BASE, Sq=300, Sk=300, window=(40, 0), causal=True, softcap=30.0),
+             WS_CASES[0], WS_VARLEN[0], WS_VARLEN[3],
              replace(BASE, B=1, Hq=4, Hkv=1, Sq=257, Sk=130, window=(20, 20), dtype=torch.float32),
              replace(VBASE, lq=SEVENTEEN, lk=SEVENTEEN_K, causal=True, window=(10, -1), softcap=5.0),
              replace(VBASE, lq=(300,), Hq=8, Hkv=2, causal=True, dtype=torch.float16)]

@@ -29,7 +29,7 @@ def dtype_id(dtype):
 @pytest.fixture
 def chunk(monkeypatch):
     """chunk(rows): the next calls cut their inputs into chunks of `rows`."""
-    return lambda rows: monkeypatch.setattr(LX, "_TEST_CHUNK_ROWS", rows)
+    return lambda rows: monkeypatch.setattr(LX, "_CHUNK_ROWS", rows)
 
 
 def make(rows, hidden, vocab, dtype, device, bias=False, ignored=0.2):
@@ -113,6 +113,46 @@ def test_values(device, case, dtype, reduction, chunk):
 
 def test_chunk_rows_default_takes_300_rows_in_two_chunks():
     assert LX.chunk_rows(300, 1000, 64, 2) == 152
+
+
+# tokens, vocab, hidden, free bytes -> rows a chunk by policy (bf16). The
+# issue's shapes at hidden 4096: "input" differs from "weight" where the
+# vocabulary is large against the tokens; "free" is one chunk where half the
+# free memory holds it; free memory caps them all.
+PLANS = [
+    ((8192, 128256, 4096, None), dict(weight=1024, input=256, free=8192)),
+    ((8192, 32000, 4096, None), dict(weight=1024, input=1024, free=8192)),
+    ((8192, 262144, 4096, None), dict(weight=1024, input=256, free=8192)),  # at most 32 chunks
+    ((2048, 128256, 4096, None), dict(weight=1024, input=64, free=2048)),
+    ((32768, 128256, 4096, None), dict(weight=1024, input=1024, free=32768)),
+    ((65536, 128256, 4096, None), dict(weight=2048, input=2048, free=65536)),  # at most 32 chunks
+    ((8192, 128256, 4096, 1 << 30), dict(weight=1024, input=256, free=2048)),  # 2 GiB logits: 4 chunks
+    ((8192, 128256, 4096, 1 << 28), dict(weight=512, input=256, free=512)),
+    ((300, 1000, 64, None), dict(weight=152, input=16, free=300)),
+]
+
+
+@pytest.mark.parametrize("shape,want", PLANS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_chunk_rows_plan(shape, want):
+    rows, vocab, hidden, free = shape
+    got = {p: LX.chunk_rows(rows, vocab, hidden, 2, free, policy=p) for p in LX.POLICIES}
+    assert got == want
+
+
+def test_chunk_rows_unknown_policy_raises():
+    with pytest.raises(ValueError, match="chunk policy 'fastest', expected one of"):
+        LX.chunk_rows(300, 1000, 64, 2, policy="fastest")
+
+
+@pytest.mark.parametrize("policy", LX.POLICIES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_values_by_policy(device, policy, reduction, monkeypatch):
+    """Each chunk policy (the probe's variants) through the op: 600 tokens,
+    3 chunks, 25 or one."""
+    monkeypatch.setattr(LX, "_POLICY", policy)
+    x, w, b, t = make(600, 64, 1000, torch.bfloat16, device, bias=True)
+    check(x, w, b, t, dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=0.1, softcap=0.0),
+          f"policy {policy} {reduction}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -218,6 +258,8 @@ def test_opcheck(device, chunk):
         torch.library.opcheck(torch.ops.fusedops.linear_xent_fwd.default,
                               (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), t, IGNORE, reduction,
                                0.1, 2.0, True, True, True))
+    torch.library.opcheck(torch.ops.fusedops.linear_xent_fwd.default,
+                          (x, w, b, t, IGNORE, "mean", 0.1, 2.0, True, True, True, torch.tensor(13.0, device=device)))
     torch.library.opcheck(torch.ops.fusedops.linear_xent_bwd.default,
                           (torch.randn(10, device=device), x.detach(), w.detach(), b.detach(), t, IGNORE, 0.1, 2.0,
                            True, True, True))
@@ -226,9 +268,88 @@ def test_opcheck(device, chunk):
                           (z, t, torch.rand(10, device=device), IGNORE, 0.1, 2.0))
 
 
+@pytest.mark.parametrize("n", [1, 7, 1023, 1025, 8 * 4096 + 3])
+@pytest.mark.parametrize("dtype", LOWP, ids=dtype_id)
+def test_scale_is_one_rounding_of_the_product_and_nothing_at_one(device, dtype, n):
+    """linear_xent_scale_ (the backward's scaling): grad * dloss widened to
+    fp32 and rounded once, over vector tails; with dloss 1 the tensor is
+    bitwise what it was, NaN and inf included (the kernel skips it)."""
+    g = torch.randn(n, device=device).to(dtype)
+    g[:: max(1, n // 3)] = float("nan")
+    g[1:: max(2, n // 2)] = float("inf")
+    for d in (1.7, -0.25, 1.0):
+        got = g.clone()
+        LX.linear_xent_scale_(got, torch.tensor(d, device=device))
+        want = (g.float() * d).to(dtype)
+        assert torch.equal(got.isnan(), want.isnan()), d
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), d
+    torch.library.opcheck(torch.ops.fusedops.linear_xent_scale_.default,
+                          (g.clone(), torch.tensor(0.5, device=device)))
+
+
+def test_scale_bad_input(device):
+    g = torch.randn(4, 6, device=device)
+    cases = [
+        (dict(grad=g, dloss=torch.ones(2, device=device)), r"fusedops.linear_xent_scale_: dloss has shape \[2\] "
+         r"and dtype float32, expected one float32 value"),
+        (dict(grad=g, dloss=torch.ones((), device=device, dtype=torch.float64)), r"dtype float64, expected one "
+         r"float32 value"),
+        (dict(grad=g.t(), dloss=torch.ones((), device=device)), r"grad has strides \[1, 6\], expected contiguous"),
+    ]
+    for args, match in cases:
+        raises_unchanged(LX.linear_xent_scale_, args, match)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_from_the_loss_itself(device, reduction, chunk):
+    """loss.backward() (a gradient of exactly 1: the scaling is skipped) gives
+    the gradients of the loss, against float64 by the 2x rule."""
+    chunk(8)
+    x, w, b, t = make(37, 16, 29, torch.bfloat16, device, bias=True)
+    kw = dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=0.1, softcap=0.0)
+    one = torch.tensor(1.0, device=device)
+    got = run(FF.linear_cross_entropy, x, w, b, t, one, kw)
+    want = run(reference.linear_cross_entropy, x, w, b, t, one, kw, to=torch.float64)
+    eager = run(reference.linear_cross_entropy, x, w, b, t, one, kw)
+    for name, a, r, e in zip(["loss", "dinput", "dweight", "dbias"], got, want, eager):
+        assert_close_2x(a, r, e, f"{reduction} {name}", scale=max(float(r.detach().abs().max()), 1e-30))
+
+
+@pytest.mark.parametrize("num_items", [19, 19.0, "tensor"])
+def test_num_items_is_the_means_divisor(device, num_items, chunk):
+    """num_items (Hugging Face's num_items_in_batch: an int, a float or a
+    tensor) divides the sum, in the op: the loss and the gradients it hands
+    out, against float64 by the 2x rule, loss.backward() and a gradient of 1.7
+    alike."""
+    chunk(8)
+    n = torch.tensor(19, device=device) if num_items == "tensor" else num_items
+    x, w, b, t = make(37, 16, 29, torch.bfloat16, device, bias=True)
+
+    def fused(x, w, t, b, **kw):
+        return FF._linear_xent_f32(x, w, t, b, IGNORE, "mean", 0.1, 0.0, num_items=n).to(x.dtype)
+
+    def ref(x, w, t, b, **kw):
+        return reference.linear_cross_entropy(x, w, t, b, IGNORE, "sum", 0.1, 0.0) / 19
+    for g in (1.0, 1.7):
+        g = torch.tensor(g, device=device)
+        got = run(fused, x, w, b, t, g, {})
+        want = run(ref, x, w, b, t, g, {}, to=torch.float64)
+        eager = run(ref, x, w, b, t, g, {})
+        for name, a, r, e in zip(["loss", "dinput", "dweight", "dbias"], got, want, eager):
+            assert_close_2x(a, r, e, f"num_items {name}", scale=max(float(r.detach().abs().max()), 1e-30))
+
+
+def test_num_items_of_more_than_one_value_raises(device):
+    x, w, b, t = make(4, 8, 9, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"fusedops.linear_xent_fwd: num_items has shape \[2\], expected one "):
+        torch.ops.fusedops.linear_xent_fwd(x, w, None, t, IGNORE, "mean", 0.0, 0.0, False, False, False,
+                                           torch.ones(2, device=device))
+
+
 def test_xent_fwd_bwd_matches_forward_and_backward(device):
     """The fused pass gives xent_fwd's loss and xent_bwd's gradient, written
-    over the logits, for every dtype (odd vocab, label smoothing, softcap)."""
+    over the logits, for every dtype (odd vocab, label smoothing, softcap):
+    bitwise where each thread holds at most one vector of a row."""
     for dtype in LOWP:
         z = (torch.randn(9, 37, device=device) * 3).to(dtype)
         t = torch.randint(0, 37, (9,), device=device)
@@ -239,6 +360,25 @@ def test_xent_fwd_bwd_matches_forward_and_backward(device):
         inplace = z.clone()
         loss2 = torch.ops.fusedops.xent_fwd_bwd_(inplace, t, dloss, IGNORE, 0.1, 2.5)
         assert torch.equal(loss2, loss) and torch.equal(inplace, grad), dtype
+
+
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_xent_fwd_bwd_large_vocab(device, vocab):
+    """The fused pass on rows of many vectors (on CUDA its own block size and
+    a backward second loop): xent_fwd's loss and xent_bwd's gradient within
+    rounding, ignored rows zeroed, label smoothing and softcap."""
+    z = (torch.randn(40, vocab, device=device) * 3).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (40,), device=device)
+    t[::7] = IGNORE
+    dloss = torch.rand(40, device=device)
+    for ls, cap in ((0.0, 0.0), (0.1, 30.0)):
+        loss, lse, _ = torch.ops.fusedops.xent_fwd(z, t, IGNORE, ls, cap)
+        grad = torch.ops.fusedops.xent_bwd(dloss, z, t, lse, IGNORE, ls, cap)
+        inplace = z.clone()
+        loss2 = torch.ops.fusedops.xent_fwd_bwd_(inplace, t, dloss, IGNORE, ls, cap)
+        torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inplace.float(), grad.float(), rtol=2 ** -7, atol=1e-9)
+        assert (inplace[::7] == 0).all()
 
 
 def test_double_backward_raises(device, chunk):

@@ -641,6 +641,39 @@ def test_example_and_e2e_benchmark_run(tmp_path):
     assert (tmp_path / "b" / "e2e.md").read_text().count("| eager |") == 1
 
 
+def test_e2e_benchmark_packed_layout(tmp_path, monkeypatch):
+    """bench_e2e's packed layout: documents of mixed length in one row,
+    position_ids restarting at each, each document's first label ignored;
+    fusedops' patched model runs them through the varlen attention kernel
+    (with the documents' offsets) and learns as eager does on the same
+    batch; both layouts are reported, one row each."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_e2e
+    from fusedops import functional as F
+    cfg = dict(bench_e2e.QUICK)
+    batch = bench_e2e.make_batch(cfg, "packed", torch.device("cpu"))
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    assert ids.shape == pos.shape == labels.shape == (1, cfg["batch"] * cfg["seq"])
+    starts = (pos[0] == 0).nonzero().view(-1)
+    lengths = torch.cat([starts, torch.tensor([ids.shape[1]])]).diff()
+    assert len(lengths) >= 2 and int(lengths.max()) <= cfg["seq"] and int(lengths.min()) >= 1
+    assert torch.equal(pos[0], torch.cat([torch.arange(n) for n in lengths.tolist()]))
+    assert (labels[0, starts] == -100).all() and torch.equal(labels[0, pos[0] > 0], ids[0, pos[0] > 0])
+    calls = []
+    varlen = F.flash_attention_varlen
+    monkeypatch.setattr(F, "flash_attention_varlen", lambda *a, **k: calls.append(a[3].tolist()) or varlen(*a, **k))
+    rows = bench_e2e.main(["--quick", "--modes", "eager,fusedops", "--layouts", "padded,packed", "--steps", "1",
+                           "--warmup", "1", "--out", str(tmp_path)])
+    assert [(r["mode"], r["layout"]) for r in rows] == [("eager", "padded"), ("eager", "packed"),
+                                                      ("fusedops", "padded"), ("fusedops", "packed")]
+    assert all("error" not in r for r in rows), rows
+    assert abs(rows[1]["last_loss"] - rows[3]["last_loss"]) < 1e-3
+    cu = [0, *lengths.cumsum(0).tolist()]
+    assert calls and all(c == cu for c in calls), (calls[:1], cu)
+    md = (tmp_path / "e2e.md").read_text()
+    assert md.count("| eager | packed |") == 1 and md.count("| fusedops | padded |") == 1
+
+
 def test_e2e_profile_kernel_kinds():
     """tools/ci/e2e_profile.py sorts GPU kernels into kinds by name; fusedops'
     own (the top-level anonymous namespace of csrc/*/*_cuda.cu) must not be

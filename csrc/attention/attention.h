@@ -62,6 +62,7 @@ typedef struct fo_attn_params {
   int64_t window_left, window_right; /* set by the shim (causal folded in); -1: unbounded */
   float softcap;             /* 0: none */
   const int32_t *cu_seqlens_q, *cu_seqlens_k; /* varlen: B + 1 offsets each; NULL: padded */
+  int64_t total_q, total_k;  /* varlen: the rows of q and of k, v (the tensor maps' extent) */
   int deterministic;         /* backward: bitwise-repeatable gradients */
   int wgmma;                 /* CUDA: the Hopper kernels take the call; the shim sets it once
                                 (fo_attn_wgmma_applies), so that the backward's workspace size
@@ -118,17 +119,20 @@ const char *fo_attn_fwd_cuda(const fo_attn_params *p, void *stream);
  * call). The shim asks once a call and sets p->wgmma; the forward takes it
  * where scale > 0 as well. Among them, the warp-specialised kernels (TMA
  * loads) take every call whose layout a tensor map can describe, unless
- * FUSEDOPS_ATTN_WGMMA=1 (attention_sm90.cuh, ws_wanted). */
+ * FUSEDOPS_ATTN_WGMMA=1 (attention_sm90.cuh, ws_wanted). Windows beyond
+ * causal, soft-capping and varlen only those (the others have no masks):
+ * where tensor maps describe q, k, v (and dout, when set). */
 int fo_attn_wgmma_applies(const fo_attn_params *p);
 const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream);
 /* Whether the CUDA backward adds dq with fp32 atomics (mma.sync kernel) or
  * bulk reductions (wgmma kernel) instead of its deterministic dq kernel:
  * only where that is faster (mma.sync: head dims up to 64, measured equal at
- * 128; wgmma: 64 and 128; docs/perf-notes.md), determinism is not asked for,
- * and the call has no window beyond causal, soft-capping or varlen (those
- * take the dq kernel: the atomic pass's registers have no room for them). */
+ * 128; wgmma: 64 and 128; docs/perf-notes.md) and determinism is not asked
+ * for; on the mma.sync kernel, only calls with no window beyond causal,
+ * soft-capping or varlen (those take the dq kernel: its atomic pass's
+ * registers have no room for them). */
 static inline int fo_attn_bwd_cuda_atomic_dq(const fo_attn_params *p) {
-  return !p->deterministic && !fo_attn_general(p) && (p->D <= 64 || p->wgmma);
+  return !p->deterministic && (p->wgmma || (!fo_attn_general(p) && p->D <= 64));
 }
 /* The backward's per-row scratch has Sq rounded up to 64 rows (the wgmma
  * kernel's query tile) for each (batch, q head). */

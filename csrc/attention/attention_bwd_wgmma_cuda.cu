@@ -58,6 +58,31 @@ template <int D>
 constexpr size_t kSmem = 1024 + static_cast<size_t>(2 * kKeys + 4 * kM) * D * 2 +
                          2 * kKeys * kM * 2 + kGroups * kAccTile * 4 + 4 * kM * 4 + 4 * 8;
 
+// dS^T = P^T (dP^T - delta), in place of dP^T (a warp's rows of its
+// warpgroup's 64 keys x kM queries; P^T in s), delta of the step's queries
+// from dl_s in shared memory; kCapped: times the cap's derivative
+// (softcap_grad, from lse2 in l2_s).
+template <bool kCapped>
+__device__ __forceinline__ void ds_of(float (&dp)[kM / 8][4], const float (&s)[kM / 8][4], const float *dl_s,
+                                      const float *l2_s, float softcap) {
+  const int tig = threadIdx.x % 4;
+#pragma unroll
+  for (int t = 0; t < kM / 8; ++t) {
+    const float2 dl = *reinterpret_cast<const float2 *>(dl_s + t * 8 + tig * 2);
+    float2 l2;
+    if constexpr (kCapped) l2 = *reinterpret_cast<const float2 *>(l2_s + t * 8 + tig * 2);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
+      dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
+      if constexpr (kCapped) {
+        dp[t][2 * r] *= softcap_grad(s[t][2 * r], l2.x, softcap);
+        dp[t][2 * r + 1] *= softcap_grad(s[t][2 * r + 1], l2.y, softcap);
+      }
+    }
+  }
+}
+
 template <int D, bool kCausal, bool kDq, class T>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_bwd_wgmma_kernel(const fo_attn_params p, const float *delta, const float *lse2, float *dq_acc) {
@@ -214,15 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();  // dP^T; dV may still run
     hold(dp);
 
-#pragma unroll
-    for (int t = 0; t < kM / 8; ++t) {
-      const float2 dl = *reinterpret_cast<const float2 *>(sDl + st * kM + t * 8 + tig * 2);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
-        dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
-      }
-    }
+    ds_of<false>(dp, s, sDl + st * kM, sL + st * kM, 0.f);
     uint32_t da[kM / 16][4];  // dS^T rounded to T
     pack_a<T>(da, dp);
     T *sds = sdS + st * kKeys * kM;
@@ -310,6 +327,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // count the bytes landed, empty ones an arrival a consumer thread. The
 // consumers' math is the kernel above's, without load instructions; the
 // producer gives its registers to them (setmaxnreg).
+// kGeneral instances (fo_attn_general: windows, soft-capping, varlen): a
+// block walks only the query tiles of its keys' band (SeqView::rows_lo,
+// rows_hi), masks the steps the band or the sequence's end cuts, caps the
+// scores and multiplies dS by the cap's derivative (softcap_grad). Varlen:
+// the tensor maps cover the packed tensors; a sequence's key and query tiles
+// start at its cu_seqlens rows; keys a tile reads past its sequence are
+// masked and not stored, queries past it have lse2 = +inf in the scratch (P
+// = 0, dS = 0) and their dQ rows are not stored.
 template <int D>
 struct BwdWsConfig {
   static constexpr int kConsumers = 2;  // 64 keys each
@@ -324,7 +349,8 @@ struct BwdWsConfig {
   }
 };
 
-template <int D, bool kCausal, bool kDq, class T>
+// kCausal: the band is bounded (fo_attn_banded; causal where not kGeneral).
+template <int D, bool kCausal, bool kDq, bool kGeneral, class T>
 __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
     attn_bwd_ws_kernel(const __grid_constant__ fo_attn_params p, const float *delta, const float *lse2,
                        float *dq_acc, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
@@ -348,11 +374,24 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t bh = blockIdx.y, b = bh / p.Hkv, hk = bh % p.Hkv, group = p.Hq / p.Hkv;
   const int64_t rows = fo_attn_bwd_rows(&p);
-  const int k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+  // Keys of the block, and its query tiles [m_first, m_tiles): general, from
+  // the band (a block past its sequence returns, all of it); else as in the
+  // kernel above (from the diagonal on when causal).
+  int k_rows, m_first, m_tiles;
+  if constexpr (kGeneral) {
+    const SeqView seq(p, b);
+    if (j0 >= seq.sk) return;
+    k_rows = static_cast<int>(imin(kKeys, seq.sk - j0));
+    const int64_t r_lo = kCausal ? seq.rows_lo(j0) : 0, r_hi = kCausal ? seq.rows_hi(j0 + k_rows) : seq.sq;
+    m_first = static_cast<int>(r_lo / kM);
+    m_tiles = r_hi > r_lo ? static_cast<int>((r_hi + kM - 1) / kM) : m_first;
+  } else {
+    k_rows = static_cast<int>(imin(kKeys, p.Sk - j0));
+    m_first = kCausal ? static_cast<int>(j0 / kM) : 0;
+    m_tiles = static_cast<int>(rows / kM);
+  }
 
   // Work items as in the kernel above: (q head of the group, query tile from m_first).
-  const int m_first = kCausal ? static_cast<int>(j0 / kM) : 0;
-  const int m_tiles = static_cast<int>(rows / kM);
   const int n_m = m_tiles > m_first ? m_tiles - m_first : 0;
   const int n_items = static_cast<int>(group) * n_m;
   struct Item {
@@ -377,13 +416,19 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
   if (wg == 0) {  // the producer
     regs_dec<C::kProducerRegs>();
     if (warp == 0 && lane == 0 && n_items > 0) {
+      // Tensor-map rows of key j0 and of query 0, and the batch entry (general: of the sequence).
+      int k_row = static_cast<int>(j0), q_row0 = 0, bm = static_cast<int>(b);
+      if constexpr (kGeneral) {
+        const SeqView seq(p, b);
+        k_row += static_cast<int>(seq.k_tok);
+        q_row0 = static_cast<int>(seq.q_tok);
+        bm = static_cast<int>(seq.bs);
+      }
       mbar_expect_tx(fullKV, 2 * kKeys * D * sizeof(T));
 #pragma unroll
       for (int cb = 0; cb < D / 64; ++cb) {
-        tma_load_4d(sK + cb * kKeys * 64, &tk, fullKV, cb * 64, static_cast<int>(j0), static_cast<int>(hk),
-                    static_cast<int>(b));
-        tma_load_4d(sV + cb * kKeys * 64, &tv, fullKV, cb * 64, static_cast<int>(j0), static_cast<int>(hk),
-                    static_cast<int>(b));
+        tma_load_4d(sK + cb * kKeys * 64, &tk, fullKV, cb * 64, k_row, static_cast<int>(hk), bm);
+        tma_load_4d(sV + cb * kKeys * 64, &tv, fullKV, cb * 64, k_row, static_cast<int>(hk), bm);
       }
       Item x;
       for (int it = 0; it < n_items; ++it, advance(x)) {
@@ -393,8 +438,8 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
         const int h = static_cast<int>(item_h(x)), m0 = static_cast<int>(item_m0(x));
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb) {
-          tma_load_4d(sQ + st * kM * D + cb * kM * 64, &tq, &full[st], cb * 64, m0, h, static_cast<int>(b));
-          tma_load_4d(sdO + st * kM * D + cb * kM * 64, &tdo, &full[st], cb * 64, m0, h, static_cast<int>(b));
+          tma_load_4d(sQ + st * kM * D + cb * kM * 64, &tq, &full[st], cb * 64, q_row0 + m0, h, bm);
+          tma_load_4d(sdO + st * kM * D + cb * kM * 64, &tdo, &full[st], cb * 64, q_row0 + m0, h, bm);
         }
         const int64_t row0 = (b * p.Hq + h) * rows + m0;  // the scratch is padded: whole 64-row tiles
         bulk_load(sL + st * kM, lse2 + row0, kM * 4, &full[st]);
@@ -406,7 +451,14 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
 
   regs_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // this consumer: keys 64 cw.. of the block
-  const float scale2 = p.scale * kLog2e;
+  // Soft-capped scores arrive scaled (softcap_scores).
+  const float scale2 = kGeneral && p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  int dlo = 0, dhi = 0;  // general: the band (SeqView::dlo, dhi)
+  if constexpr (kGeneral) {
+    const SeqView seq(p, b);
+    dlo = seq.dlo();
+    dhi = seq.dhi();
+  }
   int key_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) key_l[r] = cw * 64 + warp * 16 + lane / 4 + 8 * r;
@@ -442,6 +494,10 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
 
     const int64_t m0 = item_m0(cur);
     const int off = static_cast<int>(j0 - m0);
+    if constexpr (kGeneral)
+      if (p.softcap > 0.f) softcap_scores(s, p.scale, p.softcap);
+    // Masked (general): key j0 + kl and query m0 + q with kl >= k_rows, or
+    // kl + off - q outside the band [dlo, dhi] (SeqView).
     auto probabilities = [&](auto masked) {
 #pragma unroll
       for (int t = 0; t < kM / 8; ++t) {
@@ -451,13 +507,19 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
-            if constexpr (decltype(masked)::value)
+            if constexpr (decltype(masked)::value && kGeneral) {
+              const int d = key_l[r] + off - (t * 8 + tig * 2 + e);
+              if (key_l[r] >= k_rows || (kCausal && (d > dhi || d < dlo))) x = -INFINITY;
+            } else if constexpr (decltype(masked)::value) {
               if (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e)) x = -INFINITY;
+            }
             s[t][2 * r + e] = exp2_approx(x);
           }
       }
     };
-    if (k_rows < kKeys || (kCausal && j0 + cw * 64 + 63 > m0))
+    const bool edge = kGeneral ? k_rows < kKeys || (kCausal && (off + cw * 64 + 63 > dhi || off + cw * 64 - (kM - 1) < dlo))
+                               : k_rows < kKeys || (kCausal && j0 + cw * 64 + 63 > m0);
+    if (edge)
       probabilities(std::true_type{});
     else
       probabilities(std::false_type{});
@@ -472,15 +534,10 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
     wgmma_wait<1>();  // dP^T; dV may still run
     hold(dp);
 
-#pragma unroll
-    for (int t = 0; t < kM / 8; ++t) {
-      const float2 dl = *reinterpret_cast<const float2 *>(sDl + st * kM + t * 8 + tig * 2);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
-        dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
-      }
-    }
+    if (kGeneral && p.softcap > 0.f)
+      ds_of<true>(dp, s, sDl + st * kM, sL + st * kM, p.softcap);
+    else
+      ds_of<false>(dp, s, sDl + st * kM, sL + st * kM, 0.f);
     uint32_t da[kM / 16][4];
     pack_a<T>(da, dp);
     T *sds = sdS + (it & 1) * kKeys * kM;
@@ -541,12 +598,15 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
   }
   if (kDq && wtid == 0) bulk_wait();
 
+  // Keys no query sees get zeros (dk, dv are still 0); keys past the sequence are not stored.
+  const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr, kGeneral);  // (padded: from p)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t key = j0 + key_l[r];
-    if (key >= p.Sk) continue;
-    T *dkp = static_cast<T *>(p.dk) + b * p.dk_st.batch + hk * p.dk_st.head + key * p.dk_st.seq;
-    T *dvp = static_cast<T *>(p.dv) + b * p.dv_st.batch + hk * p.dv_st.head + key * p.dv_st.seq;
+    if (key >= seq.sk) continue;
+    const int64_t tok = seq.k_tok + key;
+    T *dkp = static_cast<T *>(p.dk) + seq.bs * p.dk_st.batch + hk * p.dk_st.head + tok * p.dk_st.seq;
+    T *dvp = static_cast<T *>(p.dv) + seq.bs * p.dv_st.batch + hk * p.dv_st.head + tok * p.dv_st.seq;
     store_row(dkp, dk, r, p.scale);
     store_row(dvp, dv, r, 1.f);
   }
@@ -568,6 +628,7 @@ __global__ void __launch_bounds__(128) attn_bwd_dq_tiles_kernel(const fo_attn_pa
   const int cb = static_cast<int>(t_idx % (D / 64));
   const int64_t qt = t_idx / (D / 64), bh = qt / (rows / kM), m0 = qt % (rows / kM) * kM;
   const int64_t b = bh / p.Hq, h = bh % p.Hq;
+  const SeqView seq(p, b);  // varlen: the sequence's queries and where its rows start
   const int t = threadIdx.x, r0 = t / 32 * 16 + t % 32 / 4, c0 = 2 * (t % 4);
   const float4 *src = reinterpret_cast<const float4 *>(dq_acc + t_idx * kAccTile);
 #pragma unroll
@@ -577,11 +638,11 @@ __global__ void __launch_bounds__(128) attn_bwd_dq_tiles_kernel(const fo_attn_pa
     *reinterpret_cast<float2 *>(tile + (r0 + 8) * kLd + 8 * i + c0) = make_float2(x.z, x.w);
   }
   __syncthreads();
-  T *dq = static_cast<T *>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head + cb * 64;
+  T *dq = static_cast<T *>(p.dq) + seq.bs * p.dq_st.batch + h * p.dq_st.head + seq.q_tok * p.dq_st.seq + cb * 64;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int seg = j * 128 + t, r = seg / 8, c = seg % 8 * 8;
-    if (m0 + r >= p.Sq) continue;
+    if (m0 + r >= seq.sq) continue;
     const float4 lo = *reinterpret_cast<const float4 *>(tile + r * kLd + c);
     const float4 hi = *reinterpret_cast<const float4 *>(tile + r * kLd + c + 4);
     const float x[8] = {lo.x * p.scale, lo.y * p.scale, lo.z * p.scale, lo.w * p.scale,
@@ -598,15 +659,19 @@ const char *launch(const fo_attn_params &p, cudaStream_t stream) {
   float *dq_acc = atomic ? p.workspace + fo_attn_bwd_cuda_dq_acc_offset(&p) : nullptr;
   const dim3 grid(static_cast<unsigned>((p.Sk + kKeys - 1) / kKeys), static_cast<unsigned>(p.B * p.Hkv));
   CUtensorMap maps[4];
-  if (ws_wanted() && p.Sq > 0 && p.Sk > 0 &&
-      tensor_map(&maps[0], p.q, p.dtype, p.B, p.Sq, p.Hq, D, p.q_st, kM) &&
-      tensor_map(&maps[1], p.k, p.dtype, p.B, p.Sk, p.Hkv, D, p.k_st, kKeys) &&
-      tensor_map(&maps[2], p.v, p.dtype, p.B, p.Sk, p.Hkv, D, p.v_st, kKeys) &&
-      tensor_map(&maps[3], p.dout, p.dtype, p.B, p.Sq, p.Hq, D, p.dout_st, kM)) {
+  const bool general = fo_attn_general(&p);
+  if (ws_wanted() && p.Sq > 0 && p.Sk > 0 && operand_map(&maps[0], p, p.q, p.q_st, false, kM) &&
+      operand_map(&maps[1], p, p.k, p.k_st, true, kKeys) && operand_map(&maps[2], p, p.v, p.v_st, true, kKeys) &&
+      operand_map(&maps[3], p, p.dout, p.dout_st, false, kM)) {
     using C = BwdWsConfig<D>;
-    auto kernel = atomic ? attn_bwd_ws_kernel<D, kCausal, true, T> : attn_bwd_ws_kernel<D, kCausal, false, T>;
+    auto kernel = general ? (atomic ? attn_bwd_ws_kernel<D, kCausal, true, true, T>
+                                    : attn_bwd_ws_kernel<D, kCausal, false, true, T>)
+                          : (atomic ? attn_bwd_ws_kernel<D, kCausal, true, false, T>
+                                    : attn_bwd_ws_kernel<D, kCausal, false, false, T>);
     if (fo::grant_smem(kernel, C::smem()) != cudaSuccess) return fo::last_error();
     kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, delta, lse2, dq_acc, maps[0], maps[1], maps[2], maps[3]);
+  } else if (general) {
+    return "fo_attn_bwd_wgmma_cuda: a masked call whose operands no tensor map describes";
   } else {
     auto kernel = atomic ? attn_bwd_wgmma_kernel<D, kCausal, true, T> : attn_bwd_wgmma_kernel<D, kCausal, false, T>;
     if (fo::grant_smem(kernel, kSmem<D>) != cudaSuccess) return fo::last_error();

@@ -21,6 +21,9 @@
 // and other GPUs take the mma.sync kernel; FUSEDOPS_ATTN_WGMMA=0 forces it,
 // =1 this v0 kernel in place of the warp-specialised v1 below (for
 // comparison; v1 also falls back to v0 where TMA cannot describe a layout).
+// Windows beyond causal, soft-capping and varlen: v1 only (its kGeneral
+// instances); where v1 cannot take such a call, the mma.sync kernel does
+// (fo_attn_wgmma_applies).
 // Measured: docs/perf-notes.md (forward v3, v4).
 //
 // Built only for sm_90a (setup.py turns arch 9.0 into 9.0a and defines
@@ -227,12 +230,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<D>) attn_fwd_wgmma_kernel
 // their products (named barriers kBarSched + w, round robin): one's softmax
 // runs while another's products own the tensor cores. The producer gives its
 // registers to the consumers (setmaxnreg).
-template <int D, bool kCausal>
+// kGeneral instances (fo_attn_general: windows, soft-capping, varlen) walk
+// only the key tiles of the block's band (FwdBlock: SeqView's rule), mask the
+// tiles the band or the sequence's end cuts, cap the scores before the
+// softmax. Varlen: the tensor maps cover the packed tensors, a sequence's
+// tiles start at its cu_seqlens rows; rows a tile reads past its sequence
+// (the next sequence's, or zeros past the tensor) are masked as keys and not
+// stored as queries (store_out_row's predicated stores).
+template <int D, bool kMasked>
 struct WsConfig {
   // 64 query rows each. At head dim 64 a tile's products are half as long
   // against the same softmax: a third consumer keeps the tensor cores fed
-  // (causal keeps two: its masked branch does not fit 160 registers).
-  static constexpr int kConsumers = D == 64 && !kCausal ? 3 : 2;
+  // (masked instances, causal or general, keep two: their masked branch does
+  // not fit 160 registers).
+  static constexpr int kConsumers = D == 64 && !kMasked ? 3 : 2;
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kBlockM = kConsumers * 64;
   static constexpr int kBlockN = 128;
@@ -245,12 +256,13 @@ struct WsConfig {
   }
 };
 
-template <int D, bool kCausal, class T>
-__global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
+// kCausal: the band is bounded (fo_attn_banded; causal where not kGeneral).
+template <int D, bool kCausal, bool kGeneral, class T>
+__global__ void __launch_bounds__(WsConfig<D, kCausal || kGeneral>::kThreads, 1)
     attn_fwd_ws_kernel(const __grid_constant__ fo_attn_params p, const __grid_constant__ CUtensorMap tq,
                        const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = WsConfig<D, kCausal>;
+  using C = WsConfig<D, kCausal || kGeneral>;
   constexpr int N = C::kBlockN, S = C::kStages, M = C::kBlockM, K = C::kConsumers;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T *sQ = reinterpret_cast<T *>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -260,7 +272,8 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
   uint64_t *fullK = fullQ + 1, *fullV = fullK + S, *emptyK = fullV + S, *emptyV = emptyK + S;
 
   const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-  const FwdBlock<T, M, N, kCausal> blk(p);
+  const FwdBlock<T, M, N, kCausal, kGeneral> blk(p);
+  if (kGeneral && blk.q_rows <= 0) return;  // past its sequence (varlen): the whole block
   const int n_tiles = blk.n_tiles;
   if (threadIdx.x == 0) {
     mbar_init(fullQ, 1);
@@ -277,12 +290,19 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
   if (wg == 0) {  // the producer
     regs_dec<C::kProducerRegs>();
     if (warp == 0 && lane == 0 && n_tiles > 0) {
-      const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h);
+      const int h = static_cast<int>(blk.h);
       const int hk = h / static_cast<int>(p.Hq / p.Hkv);
+      // Tensor-map rows of the block's first query and first key tile, and its batch entry.
+      int b = static_cast<int>(blk.b), q_row = static_cast<int>(blk.i0), k_row = 0;
+      if constexpr (kGeneral) {
+        const SeqView seq(p, blk.b);
+        b = static_cast<int>(seq.bs);
+        q_row += static_cast<int>(seq.q_tok);
+        k_row = static_cast<int>(seq.k_tok) + blk.j_first * N;
+      }
       mbar_expect_tx(fullQ, M * D * sizeof(T));
 #pragma unroll
-      for (int cb = 0; cb < D / 64; ++cb)
-        tma_load_4d(sQ + cb * M * 64, &tq, fullQ, cb * 64, static_cast<int>(blk.i0), h, b);
+      for (int cb = 0; cb < D / 64; ++cb) tma_load_4d(sQ + cb * M * 64, &tq, fullQ, cb * 64, q_row, h, b);
       for (int j = 0; j < n_tiles; ++j) {
         const int st = j % S;
         const uint32_t phase = (j / S) & 1;
@@ -290,12 +310,12 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
         mbar_expect_tx(&fullK[st], N * D * sizeof(T));
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb)
-          tma_load_4d(sK + st * N * D + cb * N * 64, &tk, &fullK[st], cb * 64, j * N, hk, b);
+          tma_load_4d(sK + st * N * D + cb * N * 64, &tk, &fullK[st], cb * 64, k_row + j * N, hk, b);
         if (j >= S) mbar_wait(&emptyV[st], phase ^ 1);
         mbar_expect_tx(&fullV[st], N * D * sizeof(T));
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb)
-          tma_load_4d(sV + st * N * D + cb * N * 64, &tv, &fullV[st], cb * 64, j * N, hk, b);
+          tma_load_4d(sV + st * N * D + cb * N * 64, &tv, &fullV[st], cb * 64, k_row + j * N, hk, b);
       }
     }
     return;
@@ -304,7 +324,9 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
   regs_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // this consumer: query rows 64 cw.. of the block
   const int64_t i0 = blk.i0;
-  const float scale2 = p.scale * kLog2e;
+  // Soft-capped scores arrive scaled (softcap_scores).
+  const float scale2 = kGeneral && p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  const int off0 = blk.j_first * N - static_cast<int>(i0);  // kGeneral: key tile j_first's offset from row 0
   auto landed = [&](uint64_t *full, int j) { mbar_wait(&full[j % S], (j / S) & 1); };
   auto release = [&](uint64_t *empty, int j) {
     if (lane == 0) mbar_arrive(&empty[j % S]);
@@ -333,12 +355,37 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
     l[r] = 0.f;
     row_l[r] = cw * 64 + warp * 16 + lane / 4 + 8 * r;
   }
+  // kGeneral: scores of a tile the band or the sequence's end cuts to -inf
+  // where masked: key kl of the tile (off = its start - i0) is seen by
+  // block-local row r iff kl < k_rows and dlo <= kl + off - r <= dhi (the
+  // element test of softmax_tile_as, as bounds on kl a row).
+  auto mask_band = [&](float (&s)[N / 8][4], const int (&row)[2], int k_rows, int off) {
+    const int tig = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int lo = blk.dlo + row[r] - off - 2 * tig, d_hi = blk.dhi + row[r] - off + 1;
+      const int hi = (d_hi < k_rows ? d_hi : k_rows) - 2 * tig;  // this thread's kl - 2 tig in [lo, hi)
+#pragma unroll
+      for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (t * 8 + e < lo || t * 8 + e >= hi) s[t][2 * r + e] = -INFINITY;
+    }
+  };
   auto softmax = [&](float (&s)[N / 8][4], int j) {
-    const int64_t j0 = static_cast<int64_t>(j) * N;
-    const int k_rows = static_cast<int>(imin(N, p.Sk - j0));
-    const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + cw * 64);
-    softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), blk.dlo,
-                                   blk.dhi, scale2);
+    if constexpr (kGeneral) {
+      // Key tile j_first + j: rem keys from its start to the sequence's end.
+      const int off = off0 + j * N, rem = blk.k_rem - j * N;
+      if (p.softcap > 0.f) softcap_scores(s, p.scale, p.softcap);
+      if (blk.edge(off, rem, cw * 64, cw * 64 + 64)) mask_band(s, row_l, rem < N ? rem : N, off);
+      softmax_tile_as<N, kCausal, true, false>(s, m, l, alpha, row_l, N, off, blk.dlo, blk.dhi, scale2);
+    } else {
+      const int64_t j0 = static_cast<int64_t>(j) * N;
+      const int k_rows = static_cast<int>(imin(N, p.Sk - j0));
+      const bool edge = k_rows < N || (kCausal && j0 + N - 1 > i0 + cw * 64);
+      softmax_tile<N, kCausal, true>(s, m, l, alpha, row_l, edge, k_rows, static_cast<int>(j0 - i0), blk.dlo,
+                                     blk.dhi, scale2);
+    }
   };
 
   float o[D / 8][4];
@@ -401,15 +448,18 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal>::kThreads, 1)
     hold(o);
   }
 
+  // kGeneral: the block's addresses asked again (its out, lse pointers are
+  // not kept live across the loop: registers).
+  const FwdBlock<T, M, N, kCausal, kGeneral> fin = kGeneral ? FwdBlock<T, M, N, kCausal, kGeneral>(p) : blk;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, blk, row_l[r], o, r, m[r], l[r]);
+  for (int r = 0; r < 2; ++r) store_out_row<D, T>(p, fin, row_l[r], o, r, m[r], l[r]);
 #endif
 }
 
-template <int D, bool kCausal, class T>
+template <int D, bool kCausal, bool kGeneral, class T>
 const char *launch_ws(const fo_attn_params &p, const CUtensorMap (&maps)[3], cudaStream_t stream) {
-  using C = WsConfig<D, kCausal>;
-  auto kernel = attn_fwd_ws_kernel<D, kCausal, T>;
+  using C = WsConfig<D, kCausal || kGeneral>;
+  auto kernel = attn_fwd_ws_kernel<D, kCausal, kGeneral, T>;
   if (fo::grant_smem(kernel, C::smem()) != cudaSuccess) return fo::last_error();
   const dim3 grid(static_cast<unsigned>((p.Sq + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.B * p.Hq));
   kernel<<<grid, C::kThreads, C::smem(), stream>>>(p, maps[0], maps[1], maps[2]);
@@ -433,24 +483,37 @@ extern "C" int fo_attn_wgmma_applies(const fo_attn_params *p) {
   return 0;  // no sm_90a code in this build (setup.py defines it with arch 9.0a)
 #endif
   if (p->D != 64 && p->D != 128) return 0;
-  // Windows other than causal, soft-capping and varlen: the mma.sync kernels.
-  if (fo_attn_general(p)) return 0;
   const char *e = getenv("FUSEDOPS_ATTN_WGMMA");
   if (e && e[0] == '0') return 0;
-  return fo::compute_capability(fo::current_device()) == 90;  // the sm_90a cubin runs on 9.0 only
+  if (fo::compute_capability(fo::current_device()) != 90) return 0;  // the sm_90a cubin runs on 9.0 only
+  // Windows other than causal, soft-capping and varlen: the warp-specialised
+  // kernels alone carry them, so only where tensor maps describe every
+  // operand the call's kernels read (dout: the backward); else the mma.sync kernels.
+  if (fo_attn_general(p)) {
+    CUtensorMap m;
+    return ws_wanted() && operand_map(&m, *p, p->q, p->q_st, false, 64) &&
+           operand_map(&m, *p, p->k, p->k_st, true, 64) && operand_map(&m, *p, p->v, p->v_st, true, 64) &&
+           (p->dout == nullptr || operand_map(&m, *p, p->dout, p->dout_st, false, 64));
+  }
+  return 1;
 }
 
 extern "C" const char *fo_attn_fwd_wgmma_cuda(const fo_attn_params *p, void *stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   CUtensorMap maps[3];
-  const int rows_m = p->D == 64 && !p->causal ? WsConfig<64, false>::kBlockM : WsConfig<128, false>::kBlockM;
-  if (ws_wanted() && p->Sk > 0 &&
-      tensor_map(&maps[0], p->q, p->dtype, p->B, p->Sq, p->Hq, p->D, p->q_st, rows_m) &&
-      tensor_map(&maps[1], p->k, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->k_st, WsConfig<128, false>::kBlockN) &&
-      tensor_map(&maps[2], p->v, p->dtype, p->B, p->Sk, p->Hkv, p->D, p->v_st, WsConfig<128, false>::kBlockN))
+  const bool general = fo_attn_general(p);
+  // The query tile: three consumers' rows at head dim 64 with no mask, two otherwise (WsConfig).
+  const int rows_m = p->D == 64 && !p->causal && !general ? WsConfig<64, false>::kBlockM : WsConfig<128, false>::kBlockM;
+  if (ws_wanted() && p->Sk > 0 && operand_map(&maps[0], *p, p->q, p->q_st, false, rows_m) &&
+      operand_map(&maps[1], *p, p->k, p->k_st, true, WsConfig<128, false>::kBlockN) &&
+      operand_map(&maps[2], *p, p->v, p->v_st, true, WsConfig<128, false>::kBlockN))
     return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
-      return launch_ws<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, maps, s);
+      constexpr int kD = decltype(d)::value;
+      constexpr bool kCausal = decltype(causal)::value;
+      using T = std::remove_pointer_t<decltype(t)>;
+      return general ? launch_ws<kD, kCausal, true, T>(*p, maps, s) : launch_ws<kD, kCausal, false, T>(*p, maps, s);
     });
+  if (general) return "fo_attn_fwd_wgmma_cuda: a masked call whose operands no tensor map describes";
   return dispatch_wgmma(*p, [&](auto d, auto causal, auto t) {
     return launch<decltype(d)::value, decltype(causal)::value, std::remove_pointer_t<decltype(t)>>(*p, s);
   });

@@ -351,10 +351,22 @@ struct FwdBlock {
   }
 };
 
+// 1 / d for d >= 1 by Newton's iteration on the FMA pipe: an integer seed
+// (relative error < 0.11), then three steps (each squares the error) to
+// within an ulp. Soft-capping's second special-function op (rcp beside its
+// exp2 and the softmax's) would make the special-function unit the
+// bottleneck of a tile's softmax.
+__device__ __forceinline__ float rcp_newton(float d) {
+  float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
+#pragma unroll
+  for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return r;
+}
+
 // Scores s (a warp's accumulators) to softcap tanh(s scale / softcap), in
 // place: the caller then takes them as already scaled. tanh(x) = 1 - 2 /
-// (e^2x + 1), from ex2.approx: accurate to a few ulp where the logits matter
-// (tanh.approx's 2^-11 would move a capped logit of 50 by 0.02).
+// (e^2x + 1), from ex2.approx and rcp_newton: accurate to a few ulp where the
+// logits matter (tanh.approx's 2^-11 would move a capped logit of 50 by 0.02).
 template <int NT, int MR>
 __device__ __forceinline__ void softcap_scores(float (&s)[NT][MR], float scale, float softcap) {
   const float k = 2.f * kLog2e * scale / softcap;
@@ -364,7 +376,7 @@ __device__ __forceinline__ void softcap_scores(float (&s)[NT][MR], float scale, 
     for (int e = 0; e < MR; ++e) {
       const float x = s[t][e] * k;  // (a NaN stays NaN)
       const float z = exp2_approx(x > 126.f ? 126.f : x);
-      s[t][e] = softcap * (1.f - __fdividef(2.f, z + 1.f));
+      s[t][e] = softcap * fmaf(-2.f, rcp_newton(z + 1.f), 1.f);
     }
 }
 

@@ -208,6 +208,8 @@ void fill_params(fo_attn_params &p, const Tensor &q, const Tensor &k, const Tens
   if (vl) {
     p.cu_seqlens_q = static_cast<const int32_t *>(vl->cu_q.data_ptr());
     p.cu_seqlens_k = static_cast<const int32_t *>(vl->cu_k.data_ptr());
+    p.total_q = q.size(0);
+    p.total_k = k.size(0);
   }
 }
 

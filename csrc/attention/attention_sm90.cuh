@@ -223,6 +223,19 @@ inline bool tensor_map(CUtensorMap *map, const void *base, fo_dtype dtype, int64
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The tensor map of one operand of p: q-shaped (q, dout) or, keys, k-shaped
+// (k, v), read in boxes of `rows` rows: [B, S, H, D], or in varlen the packed
+// [total, H, D] as one batch entry, a sequence's tiles starting at its
+// cu_seqlens row (the kernels mask what a tile reads past its sequence and
+// never store it).
+inline bool operand_map(CUtensorMap *map, const fo_attn_params &p, const void *base, fo_attn_strides st, bool keys,
+                        int rows) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t S = varlen ? (keys ? p.total_k : p.total_q) : (keys ? p.Sk : p.Sq);
+  if (S >= (int64_t{1} << 31)) return false;  // the kernels' row coordinates are int
+  return tensor_map(map, base, p.dtype, varlen ? 1 : p.B, S, keys ? p.Hkv : p.Hq, p.D, st, rows);
+}
+
 // Whether the warp-specialised kernels take a Hopper call: yes unless the
 // environment sets FUSEDOPS_ATTN_WGMMA=1, which keeps the kernels before them
 // (v0 of attention_{fwd,bwd}_wgmma_cuda.cu), for comparison.

@@ -494,10 +494,10 @@ struct ToImpl<fusedops::StrArg> {
     StringHandle handle = to<StringHandle>(val);
     size_t length;
     const char *data;
-    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_length(handle, &length));
-    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_c_str(handle, &data));
+    TORCH_ERROR_CODE_CHECK(torch_string_length(handle, &length));
+    TORCH_ERROR_CODE_CHECK(torch_string_c_str(handle, &data));
     fusedops::StrArg s{std::string(data, length)};
-    STABLE_TORCH_ERROR_CODE_CHECK(torch_delete_string(handle));
+    TORCH_ERROR_CODE_CHECK(torch_delete_string(handle));
     return s;
   }
 };

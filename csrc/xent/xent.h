@@ -77,18 +77,34 @@ FO_HD float fo_xent_dloss(const fo_xent_params *p, int64_t r) {
   return p->count_in ? g / p->count_in[0] : g;
 }
 
+/* The backward of the fused linear cross-entropy: grad *= *dloss, where
+ * dloss (fp32, one value, on grad's device) is read on the device, and
+ * nothing is read or written where it is 1 (x * 1 is x for every x, NaN and
+ * inf included: the values the multiplication would leave). The forward
+ * hands out the gradients of the loss (fusedops/ops/linear_xent.py); a loss
+ * that is the root of backward() gets 1, and the weight's gradient is the
+ * size of the weight. grad is dense, n values of dtype. */
+typedef struct fo_xent_scale_params {
+  int64_t n;
+  void *grad;
+  const float *dloss;
+  fo_dtype dtype;
+} fo_xent_scale_params;
+
 /* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always.
  * fwd: loss and lse, then total and count where asked. bwd: dlogits from lse_in. fwd_bwd: loss (and lse if
  * given) and dlogits in one pass over each row (dlogits may be logits). */
 const char *fo_xent_fwd_cpu(const fo_xent_params *p);
 const char *fo_xent_bwd_cpu(const fo_xent_params *p);
 const char *fo_xent_fwd_bwd_cpu(const fo_xent_params *p);
+const char *fo_xent_scale_cpu(const fo_xent_scale_params *p);
 
 /* CUDA (xent_cuda.cu): a block a row (and one block for total and count). Launch on `stream` (a cudaStream_t);
  * NULL on success or a static message naming the CUDA error. */
 const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream);
 const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream);
 const char *fo_xent_fwd_bwd_cuda(const fo_xent_params *p, void *stream);
+const char *fo_xent_scale_cuda(const fo_xent_scale_params *p, void *stream);
 
 #ifdef __cplusplus
 }

@@ -160,3 +160,24 @@ const char *FO_FN(fo_xent_fwd_bwd_cpu)(const fo_xent_params *p) {
   return NULL;
 }
 FO_ENTRY(const char *, fo_xent_fwd_bwd_cpu, (const fo_xent_params *p), (p))
+
+/* Blocks of FO_SCALE_BLOCK values widened to fp32, scaled and rounded back
+ * (one rounding, as torch's mul_); nothing touched when the factor is 1. */
+#define FO_SCALE_BLOCK 1024
+const char *FO_FN(fo_xent_scale_cpu)(const fo_xent_scale_params *p) {
+  const float s = *p->dloss;
+  if (s == 1.0f) return NULL;
+  const int64_t blocks = (p->n + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
+  const int es = fo_dtype_size(p->dtype);
+#pragma omp parallel for schedule(static) if (fo_parallel(blocks, p->n))
+  for (int64_t b = 0; b < blocks; ++b) {
+    float v[FO_SCALE_BLOCK];
+    const int64_t j = b * FO_SCALE_BLOCK, m = p->n - j < FO_SCALE_BLOCK ? p->n - j : FO_SCALE_BLOCK;
+    char *at = (char *)p->grad + (size_t)j * (size_t)es;
+    fo_load_row(p->dtype, at, v, m);
+    for (int64_t i = 0; i < m; ++i) v[i] *= s;
+    fo_store_row(p->dtype, at, v, m);
+  }
+  return NULL;
+}
+FO_ENTRY(const char *, fo_xent_scale_cpu, (const fo_xent_scale_params *p), (p))

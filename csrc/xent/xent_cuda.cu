@@ -2,15 +2,24 @@
  *
  * Bytes: the forward reads the logits once (and a target and writes two
  * floats a row); the backward reads them once and writes their gradient; the
- * fused pass reads a row twice (the second time from L2: a row of 128256
- * bf16 logits is 250 KB) and writes the gradient over it. A block of
- * kThreads takes a row: 16-byte vectors where the vocab, the row strides and
- * the pointers allow it, consecutive threads on consecutive vectors. Each
- * thread keeps an online max and sum of exponentials (rescaled when its max
- * grows), the block combines them in a fixed order (deterministic). At vocab
+ * fused pass reads a row twice and writes the gradient over it. A block
+ * takes a row: 16-byte vectors where the vocab, the row strides and the
+ * pointers allow it, consecutive threads on consecutive vectors. The fused
+ * pass wants its second read served by L2, which holds a few hundred rows
+ * of a large vocabulary, not the thousand that eight blocks an SM keep in
+ * flight: on 16-bit logits in 16-byte vectors it runs blocks of
+ * kFusedThreads (two an SM at 32 registers a thread: the same threads an SM,
+ * a quarter of the rows in flight), and its second loop walks the row
+ * backwards, from what the first loop read last (docs/linear-cross-entropy.md).
+ * Each thread keeps an online max and sum of exponentials (rescaled when
+ * its max grows), the block combines them in a fixed order (deterministic;
+ * the fused pass's order differs from the forward's where a row has more
+ * vectors than kThreads: equal within rounding, not bitwise). At vocab
  * 32000 a row is 64 KB of bf16: the grid of rows is many waves, so no
  * persistent grid or cross-block split is needed. */
 #include <math.h>
+
+#include <algorithm>
 
 #include "../common/cuda_utils.cuh"
 #include "xent.h"
@@ -19,6 +28,7 @@ namespace {
 using namespace fo;
 
 constexpr int kThreads = 256;
+constexpr int kFusedThreads = 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // s e^(m - M) for a partial (m, s) joining a total whose max is M; exactly s
@@ -27,9 +37,11 @@ __device__ __forceinline__ float rescale(float m, float s, float M) {
   return m == M ? s : s * exp2f((m - M) * kLog2e);
 }
 
-// (m, s) and the plain sum zs over the block; every thread gets the result.
+// (m, s) and the plain sum zs over the block of THREADS; every thread gets
+// the result.
+template <int THREADS>
 __device__ __forceinline__ void block_lse(float &m, float &s, float &zs) {
-  __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
+  __shared__ float sm[THREADS / 32], ss[THREADS / 32], sz[THREADS / 32];
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -49,7 +61,7 @@ __device__ __forceinline__ void block_lse(float &m, float &s, float &zs) {
   s = ss[0];
   zs = sz[0];
 #pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) {
+  for (int w = 1; w < THREADS / 32; ++w) {
     const float M = fmaxf(m, sm[w]);
     s = rescale(m, s, M) + rescale(sm[w], ss[w], M);
     m = M;
@@ -63,9 +75,11 @@ __device__ __forceinline__ float cap(const fo_xent_params &p, float x) {
 }
 
 // FWD: loss and lse of the row; BWD: its gradient, from the lse just computed
-// (FWD too: the fused pass, which may write over the logits) or the saved one.
-template <class T, int VEC, bool FWD, bool BWD>
-__global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) {
+// (FWD too: the fused pass, which may write over the logits, and runs its
+// gradient loop backwards) or the saved one. THREADS a block (a row).
+template <class T, int VEC, bool FWD, bool BWD, int THREADS = kThreads>
+__global__ void __launch_bounds__(THREADS, THREADS == kFusedThreads ? 2 : 1) xent_kernel(const fo_xent_params p) {
+  constexpr int64_t kStep = (int64_t)THREADS * VEC;
   const int64_t r = blockIdx.x;
   const T *x = static_cast<const T *>(p.logits) + r * p.x_stride;
   const int64_t t = fo_xent_class(&p, r);
@@ -76,14 +90,14 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
       if (p.lse) p.lse[r] = NAN;
     }
     float zero[VEC] = {};
-    for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) store_f<VEC>(dx + j, zero);
+    for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kStep) store_f<VEC>(dx + j, zero);
     return;
   }
   float lse;
   if constexpr (FWD) {
     float m = -INFINITY, s = 0.f, zs = 0.f;
     int nan = 0;
-    for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) {
+    for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kStep) {
       float v[VEC];
       load_f<VEC>(x + j, v);
 #pragma unroll
@@ -103,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
       }
     }
     nan = __syncthreads_or(nan);
-    block_lse(m, s, zs);
+    block_lse<THREADS>(m, s, zs);
     // As the CPU kernel, so that the loss is torch's: NaN if any logit is NaN
     // or +inf; -inf if all are -inf.
     lse = nan || m == INFINITY ? NAN : m == -INFINITY ? m : m + logf(s);
@@ -120,7 +134,12 @@ __global__ void __launch_bounds__(kThreads) xent_kernel(const fo_xent_params p) 
     const float g = fo_xent_dloss(&p, r), gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
     const float gt = p.smoothing == 0.f ? g : g * (1.f - p.smoothing);
     const float lse2 = lse * kLog2e, ic = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
-    for (int64_t j = (int64_t)threadIdx.x * VEC; j < p.vocab; j += kThreads * VEC) {
+    // This thread's vectors j0, j0 + kStep, ...: in the fused pass from the
+    // last down (the ones the first loop read last are likeliest in L2).
+    const int64_t j0 = (int64_t)threadIdx.x * VEC;
+    int64_t j = j0;
+    if constexpr (FWD) j = j0 < p.vocab ? j0 + (p.vocab - 1 - j0) / kStep * kStep : -1;
+    for (; FWD ? j >= j0 : j < p.vocab; j += FWD ? -kStep : kStep) {
       float v[VEC];
       load_f<VEC>(x + j, v);
 #pragma unroll
@@ -196,14 +215,57 @@ const char *launch(const fo_xent_params *p, void *stream) {
     constexpr int kMax = 16 / sizeof(T);
     const int vec = vec_width(*p, BWD, sizeof(T));
     const dim3 grid((unsigned)p->rows);
-    if (vec == kMax) xent_kernel<T, kMax, FWD, BWD><<<grid, kThreads, 0, s>>>(*p);
+    // The fused pass on 16-byte vectors of a 16-bit type in big blocks (the
+    // header); the rest as they were (fp32 and the narrow paths spill at 32
+    // registers on sm_80).
+    constexpr int kBig = FWD && BWD && sizeof(T) == 2 ? kFusedThreads : kThreads;
+    if (vec == kMax) xent_kernel<T, kMax, FWD, BWD, kBig><<<grid, kBig, 0, s>>>(*p);
     else if (vec >= 2) xent_kernel<T, 2, FWD, BWD><<<grid, kThreads, 0, s>>>(*p);
     else xent_kernel<T, 1, FWD, BWD><<<grid, kThreads, 0, s>>>(*p);
   });
   return last_error();
 }
 
+// grad *= *dloss, grid-stride over VEC-value vectors; every block returns at
+// once where *dloss is 1 (xent.h).
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads) scale_kernel(const fo_xent_scale_params p) {
+  const float s = *p.dloss;
+  if (s == 1.f) return;
+  T *x = static_cast<T *>(p.grad);
+  const int64_t step = (int64_t)gridDim.x * kThreads * VEC;
+  for (int64_t i = ((int64_t)blockIdx.x * kThreads + threadIdx.x) * VEC; i < p.n; i += step) {
+    if (i + VEC <= p.n) {
+      float v[VEC];
+      load_f<VEC>(x + i, v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v[e] *= s;
+      store_f<VEC>(x + i, v);
+    } else {
+      for (int64_t j = i; j < p.n; ++j) x[j] = from_f<T>(to_f(x[j]) * s);
+    }
+  }
+}
+
+// Enough blocks to fill any GPU several times over; the rest by grid stride.
+constexpr int64_t kScaleBlocks = 4096;
+
 }  // namespace
+
+extern "C" const char *fo_xent_scale_cuda(const fo_xent_scale_params *p, void *stream) {
+  if (p->n == 0) return nullptr;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  with_type(p->dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vec = aligned16(p->grad);
+    const int64_t per = (int64_t)kThreads * (vec ? kVec : 1);
+    const dim3 grid((unsigned)std::min<int64_t>((p->n + per - 1) / per, kScaleBlocks));
+    if (vec) scale_kernel<T, kVec><<<grid, kThreads, 0, s>>>(*p);
+    else scale_kernel<T, 1><<<grid, kThreads, 0, s>>>(*p);
+  });
+  return last_error();
+}
 
 extern "C" const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream) { return launch<true, false>(p, stream); }
 extern "C" const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream) { return launch<false, true>(p, stream); }

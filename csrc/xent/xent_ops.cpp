@@ -137,6 +137,26 @@ Tensor xent_fwd_bwd_(Tensor logits, Tensor target, Tensor dloss, int64_t ignore_
   return loss;
 }
 
+// grad *= dloss (one fp32 value on grad's device), nothing touched where it
+// is 1: the backward of the fused linear cross-entropy (xent.h).
+void linear_xent_scale_(Tensor grad, Tensor dloss) {
+  const char *op = "fusedops.linear_xent_scale_";
+  fo_xent_scale_params p{};
+  p.dtype = kernel_dtype(op, "grad", grad);
+  STD_TORCH_CHECK(grad.is_contiguous(), op, ": grad has strides ", strides_str(grad), ", expected contiguous");
+  check_same_device(op, "dloss", dloss, grad, "grad");
+  STD_TORCH_CHECK(dloss.scalar_type() == ScalarType::Float && dloss.numel() == 1, op, ": dloss has shape ",
+                  shape_str(dloss), " and dtype ", dtype_name(dloss.scalar_type()),
+                  ", expected one float32 value (the loss's gradient)");
+  check_no_aliasing(op, {{"grad", -1, &grad, true}, {"dloss", -1, &dloss, false}});
+  p.n = grad.numel();
+  p.grad = grad.data_ptr();
+  p.dloss = static_cast<const float *>(dloss.data_ptr());
+  if (p.n > 0)
+    run_kernel(op, "grad", grad, [&] { return fo_xent_scale_cpu(&p); },
+               [&](void *stream) { return fo_xent_scale_cuda(&p, stream); });
+}
+
 }  // namespace
 }  // namespace fusedops
 
@@ -144,6 +164,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CPU, m) {
   m.impl("xent_fwd", TORCH_BOX(&fusedops::xent_fwd));
   m.impl("xent_bwd", TORCH_BOX(&fusedops::xent_bwd));
   m.impl("xent_fwd_bwd_", TORCH_BOX(&fusedops::xent_fwd_bwd_));
+  m.impl("linear_xent_scale_", TORCH_BOX(&fusedops::linear_xent_scale_));
 }
 
 #ifdef FUSEDOPS_WITH_CUDA
@@ -151,5 +172,6 @@ STABLE_TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("xent_fwd", TORCH_BOX(&fusedops::xent_fwd));
   m.impl("xent_bwd", TORCH_BOX(&fusedops::xent_bwd));
   m.impl("xent_fwd_bwd_", TORCH_BOX(&fusedops::xent_fwd_bwd_));
+  m.impl("linear_xent_scale_", TORCH_BOX(&fusedops::linear_xent_scale_));
 }
 #endif

@@ -3,11 +3,14 @@
 
 Schemas (csrc/library.cpp):
   linear_xent_fwd(input, weight, bias, target, ignore_index, reduction,
-                  label_smoothing, softcap, input_grad, weight_grad, bias_grad)
+                  label_smoothing, softcap, input_grad, weight_grad, bias_grad,
+                  num_items=None)     # the mean's divisor, else the count
       -> (loss, dinput, dweight, dbias)
   linear_xent_bwd(dloss, input, weight, bias, target, ignore_index,
                   label_smoothing, softcap, input_grad, weight_grad, bias_grad)
       -> (dinput, dweight, dbias)
+  linear_xent_scale_(grad!, dloss) -> ()   # C / CUDA (csrc/xent): grad *= dloss,
+                                           # nothing touched where dloss is 1
 
 Both are implemented here, in Python, for the CPU and CUDA: a loop over
 chunks of rows whose matmuls are torch's (cuBLAS, the CPU BLAS) and whose
@@ -23,7 +26,9 @@ written over them. Per chunk c of rows:
 so only one chunk's logits exist at a time, and with reduction "mean" or
 "sum" the forward hands out the gradients of the loss: the backward only
 scales them by the loss's gradient (in place: nothing of the size of the
-weight is allocated twice). With "none" the gradient of each row's loss has
+weight is allocated twice; and where that gradient is 1, the usual case of
+a loss that backward() starts from, not even read: linear_xent_scale_ reads
+it on the device). With "none" the gradient of each row's loss has
 its own factor, which cannot be applied to dweight afterwards: the forward
 computes the losses alone and the backward runs the chunks again with the
 row factors (a fourth matmul). The ops are opaque to torch.compile (their
@@ -33,41 +38,66 @@ keep every chunk's logits alive for the backward.
 import torch
 
 from . import xent as _xent
-from ._common import _lib, check_one_device, double_backward_error, no_double_backward, register_autograd
+from ._common import (_lib, check_one_device, double_backward_error, no_double_backward, register_autograd,
+                      register_mutating)
 
 REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Tests only: rows a chunk, instead of chunk_rows()'s answer (to put chunk
-# boundaries inside small inputs).
-_TEST_CHUNK_ROWS = None
-
-# A chunk's logits hold at most this share of the weight's bytes, a chunk
-# holds at least MIN_ROWS rows, and the rows make at most MAX_CHUNKS chunks
-# (see chunk_rows).
+# A chunk's logits hold at most this share of the weight's bytes (with the
+# "input" policy also at most the input's bytes), a chunk holds at least
+# MIN_ROWS rows ("weight"), and the rows make at most MAX_CHUNKS chunks (see
+# chunk_rows).
 WEIGHT_SHARE = 4
 MIN_ROWS = 256
 MAX_CHUNKS = 32
 
+# How chunk_rows sizes a chunk (its docstring): POLICY is the library's; the
+# others are variants that tools/probes/linear_xent.py measures beside it,
+# and the tests run. In-process only (no API, no environment switch): set
+# _POLICY to one of POLICIES, or _CHUNK_ROWS to a number of rows (the tests:
+# chunk boundaries inside small inputs).
+POLICIES = ("weight", "input", "free")
+POLICY = "weight"
+_POLICY = None
+_CHUNK_ROWS = None
 
-def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None):
-    """Rows of logits a chunk holds.
 
-    The step keeps dweight (classes x hidden) whatever the chunking, so a
-    chunk's logits (rows_c x classes) are held to a quarter of its size:
-    rows_c <= hidden / 4 (1024 at hidden 4096), the peak then at most 1.25x
-    the weight's bytes plus dinput. Fewer rows would make more passes over
-    dweight (its update reads and writes all of it a chunk), more would raise
-    the peak. Two lower bounds: MIN_ROWS (matmuls of fewer rows run well below
-    the machine's rate), and rows / MAX_CHUNKS, because a 16-bit dweight is
-    rounded once a chunk: past about 64 roundings its error leaves the 2x
-    rule's bound (docs/linear-cross-entropy.md). free_bytes (on CUDA: what
-    the allocator can still give) caps them all: a chunk never takes more
-    than half of it. The rows are then spread evenly over the chunks that
-    count needs, in multiples of 8."""
-    if _TEST_CHUNK_ROWS is not None:
-        return max(1, min(rows, _TEST_CHUNK_ROWS))
-    want = max(MIN_ROWS, hidden // WEIGHT_SHARE, -(-rows // MAX_CHUNKS))
+def chunk_rows(rows, classes, hidden, itemsize, free_bytes=None, policy=None):
+    """Rows of logits a chunk holds, by policy (default _POLICY or POLICY).
+
+    "weight": the step keeps dweight (classes x hidden) whatever the
+    chunking, so a chunk's logits (rows_c x classes) are held to a quarter of
+    its size: rows_c <= hidden / 4 (1024 at hidden 4096), the peak then at
+    most 1.25x the weight's bytes plus dinput. Fewer rows would make more
+    passes over dweight (its update reads and writes all of it a chunk), more
+    would raise the peak. Two lower bounds: MIN_ROWS (matmuls of fewer rows
+    run well below the machine's rate), and rows / MAX_CHUNKS, because a
+    16-bit dweight is rounded once a chunk: past about 64 roundings its error
+    leaves the 2x rule's bound (docs/linear-cross-entropy.md).
+    "input": a chunk's logits at most the input's bytes (rows_c <= rows
+    hidden / classes) and a quarter of the weight's, without the MIN_ROWS
+    floor: Liger-Kernel's chunks (the input's count of logits, rounded up to
+    a power of two rows), hence its peak, where the vocabulary is large
+    against the tokens; the MAX_CHUNKS bound still holds (262144 words at
+    8192 tokens: 256 rows, where Liger takes 128). Many more passes over
+    dweight.
+    "free": one chunk where half the free memory holds it (the fewest passes
+    over dweight; on the CPU, one chunk).
+    free_bytes (on CUDA: what the allocator can still give) caps them all: a
+    chunk never takes more than half of it. The rows are then spread evenly
+    over the chunks that count needs, in multiples of 8."""
+    if _CHUNK_ROWS is not None:
+        return max(1, min(rows, _CHUNK_ROWS))
+    policy = policy or _POLICY or POLICY
+    if policy not in POLICIES:
+        raise ValueError(f"fusedops.linear_xent: chunk policy {policy!r}, expected one of {POLICIES}")
+    if policy == "free":
+        want = rows
+    elif policy == "input":
+        want = max(8, min(hidden // WEIGHT_SHARE, rows * hidden // classes), -(-rows // MAX_CHUNKS))
+    else:
+        want = max(MIN_ROWS, hidden // WEIGHT_SHARE, -(-rows // MAX_CHUNKS))
     if free_bytes is not None:
         want = min(want, max(8, free_bytes // (2 * classes * itemsize)))
     if rows <= want:
@@ -169,16 +199,27 @@ def _chunked_grads(input, weight, bias, target, dloss, loss, ignore_index, label
     return dinput, dweight, (dbias.to(bias.dtype) if bias_grad else _empty(input))
 
 
-def _count(target, ignore_index):
+def _count(target, ignore_index, num_items=None):
+    """The mean's divisor: num_items (a one-value tensor, on target's device)
+    or the count of targets that are not ignored."""
+    if num_items is not None:
+        return num_items.reshape(()).to(device=target.device, dtype=torch.float32)
     return (target != ignore_index).sum()
 
 
+def _check_num_items(op, num_items):
+    if num_items is not None and num_items.numel() != 1:
+        raise RuntimeError(f"fusedops.{op}: num_items has shape {list(num_items.shape)}, expected one number "
+                           "(the mean's divisor)")
+
+
 def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, input_grad,
-              weight_grad, bias_grad):
+              weight_grad, bias_grad, num_items=None):
     op = "linear_xent_fwd"
     check_args(op, input, weight, bias, target, ignore_index, label_smoothing, softcap)
     if reduction not in REDUCTIONS:
         raise RuntimeError(f"fusedops.{op}: reduction is {reduction!r}, expected 'none', 'mean' or 'sum'")
+    _check_num_items(op, num_items)
     bias_grad = bias_grad and bias is not None
     rows, hidden = input.shape
     classes = weight.shape[0]
@@ -187,7 +228,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
         if reduction != "none" and (input_grad or weight_grad or bias_grad):
             scale = torch.ones((), dtype=torch.float32, device=input.device)
             if reduction == "mean":
-                scale = scale / _count(target, ignore_index)
+                scale = scale / _count(target, ignore_index, num_items)
             grads = _chunked_grads(input, weight, bias, target, scale.expand(rows), loss, ignore_index,
                                    label_smoothing, softcap, input_grad, weight_grad, bias_grad)
         else:
@@ -200,7 +241,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
         if reduction == "sum":
             loss = loss.sum()
         elif reduction == "mean":
-            loss = loss.sum() / _count(target, ignore_index)
+            loss = loss.sum() / _count(target, ignore_index, num_items)
     return (loss, *grads)
 
 
@@ -231,12 +272,18 @@ def _fake_grads(input, weight, bias, input_grad, weight_grad, bias_grad):
 
 @torch.library.register_fake("fusedops::linear_xent_fwd")
 def _fwd_fake(input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, input_grad,
-              weight_grad, bias_grad):
+              weight_grad, bias_grad, num_items=None):
     check_args("linear_xent_fwd", input, weight, bias, target, None, label_smoothing, softcap)
+    _check_num_items("linear_xent_fwd", num_items)
     loss = input.new_empty((input.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     if reduction == "none":
         return loss, _empty(input), _empty(weight), _empty(input)
     return (loss, *_fake_grads(input, weight, bias, input_grad, weight_grad, bias_grad))
+
+
+@torch.library.register_fake("fusedops::linear_xent_scale_")
+def _scale_fake(grad, dloss):
+    check_one_device("linear_xent_scale_", grad=grad, dloss=dloss)
 
 
 @torch.library.register_fake("fusedops::linear_xent_bwd")
@@ -248,7 +295,7 @@ def _bwd_fake(dloss, input, weight, bias, target, ignore_index, label_smoothing,
 
 
 def _setup_context(ctx, inputs, output):
-    input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, *flags = inputs
+    input, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, *flags, _ = inputs
     _, dinput, dweight, dbias = output
     ctx.mark_non_differentiable(dinput, dweight, dbias)
     # No zero-filled gradients of those three made for the backward (by
@@ -273,7 +320,7 @@ def _backward(ctx, dloss, *_):
             raise RuntimeError(f"fusedops.linear_xent_fwd: the gradient of {name} is asked for, but {name}_grad "
                                "was False in the forward")
     if dloss is None:
-        return (None,) * 11
+        return (None,) * 12
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         raise double_backward_error("linear_xent_fwd")
     if ctx.none:
@@ -288,10 +335,16 @@ def _backward(ctx, dloss, *_):
         # outputs, and for any other subclass.
         grads = ctx.saved_tensors
         eager = type(dloss) is torch.Tensor and all(type(g) is torch.Tensor for g in grads)
-        grads = [g.mul_(dloss) if eager else g * dloss for g in grads]
-    return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 8
+        if eager:
+            for g in grads:
+                if g.numel():
+                    linear_xent_scale_(g, dloss)
+        else:
+            grads = [g * dloss for g in grads]
+    return (*(g if want else None for g, want in zip(grads, wanted)),) + (None,) * 9
 
 
 # The ops as fusedops calls them (_common.eager_call).
 linear_xent_fwd = register_autograd("linear_xent_fwd", _backward, _setup_context)
 linear_xent_bwd = no_double_backward("linear_xent_bwd")
+linear_xent_scale_ = register_mutating("linear_xent_scale_")

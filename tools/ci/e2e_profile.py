@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.bench_e2e import ANCHOR, build, train_step  # noqa: E402
+from benchmarks.bench_e2e import ANCHOR, build, make_batch, train_step  # noqa: E402
 
 KINDS = (  # first match wins
     ("attention", r"attn|flash|fmha|attention"),
@@ -49,14 +49,14 @@ def main():
     p.add_argument("--no-cache", dest="use_cache", action="store_false", help="as bench_e2e's")
     a = p.parse_args()
     dev, cfg = torch.device("cuda"), ANCHOR
-    ids = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), device=dev)
+    batch = make_batch(cfg, "padded", dev)
     summary = {}
     for mode in a.modes.split(","):
         torch._dynamo.reset()
         model, run, opt = build(cfg, mode, torch.bfloat16, dev, use_cache=a.use_cache)
 
         def step():
-            train_step(run, opt, ids)
+            train_step(run, opt, batch)
 
         for _ in range(a.warmup):
             step()

@@ -35,3 +35,10 @@ try:
     peak(fm, "fusedops.nn.SwiGLU")
 except Exception as e:
     print("fusedops.nn.SwiGLU failed", e)
+try:  # Liger-Kernel's LlamaMLP replacement, where it imports
+    from types import SimpleNamespace
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, hidden_act="silu")
+    peak(LigerSwiGLUMLP(cfg).to(dev, dt), "liger LigerSwiGLUMLP")
+except ImportError as e:
+    print("liger: not installed", e)

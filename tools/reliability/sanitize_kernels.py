@@ -143,14 +143,16 @@ def run_xent():
     """Each vector width (16 bytes: vocab a multiple of 8 at 16 bits, 4 at
     fp32; 2 elements; 1), column-sliced rows, ignored targets; forward and
     backward; then the fused pass (xent_fwd_bwd_) through linear_cross_entropy,
-    with label smoothing and softcap, each reduction, over several chunks."""
+    with label smoothing and softcap, each reduction, over several chunks, its
+    backward's scaling (linear_xent_scale_) both skipped (a gradient of 1) and
+    run."""
     n = 0
     for dtype, vocab, layout in [(BF16, 32000, "dense"), (F16, 1002, "dense"), (BF16, 999, "dense"),
                                  (F32, 1000, "slice"), (F32, 77, "dense"), (BF16, 4096, "transposed")]:
         x, t = test_xent.make(37, vocab, dtype, DEV, layout=layout)
         test_xent.run(fusedops.functional.cross_entropy, x, t, "mean", torch.tensor(1.0, device=DEV))
         n += 1
-    linear_xent._TEST_CHUNK_ROWS = 16
+    linear_xent._CHUNK_ROWS = 16
     try:
         for dtype, vocab, reduction in [(BF16, 32000, "mean"), (F16, 1001, "none"), (F32, 77, "sum")]:
             h = torch.randn(37, 64, device=DEV).to(dtype).requires_grad_()
@@ -159,10 +161,10 @@ def run_xent():
             t[::5] = -100
             loss = fusedops.functional.linear_cross_entropy(h, w, t, reduction=reduction, label_smoothing=0.1,
                                                             softcap=15.0)
-            loss.sum().backward()
+            (loss.sum() * (1.5 if reduction == "mean" else 1.0)).backward()
             n += 1
     finally:
-        linear_xent._TEST_CHUNK_ROWS = None
+        linear_xent._CHUNK_ROWS = None
     return n
 
 
