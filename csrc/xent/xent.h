@@ -45,18 +45,24 @@ typedef struct fo_xent_params {
   float smoothing;        /* label smoothing e in [0, 1] */
   float softcap;          /* c > 0, or 0: none */
   float *loss, *lse;      /* forward: [rows] fp32, dense (lse may be NULL with dlogits) */
-  float *total, *count;   /* forward, reduced (else NULL): [] fp32, the sum of loss over the rows (the
-                             mean with `mean`: divided by count), and count, the rows whose target
-                             is not ignore_index; a row order fixed, summed in double */
-  int mean;
   const float *dloss;     /* gradient: [rows] fp32, stride g_stride (0: one value for all rows) */
   int64_t g_stride;
-  const float *count_in;  /* gradient of a mean (else NULL): its count; each row's dloss divided by it */
   const float *lse_in;    /* backward: the forward's lse, dense; NULL: computed in the pass */
   void *dlogits;          /* gradient: [rows, vocab] dtype, row stride d_stride; may be logits */
   int64_t d_stride;
   fo_dtype dtype;
 } fo_xent_params;
+
+/* A forward's reduction and a mean's backward: apart from fo_xent_params,
+ * which the fused pass's kernel takes (at 32 registers a thread it spilled
+ * with these fields in the struct it is passed). */
+typedef struct fo_xent_reduce {
+  float *total, *count;   /* forward: [] fp32, the sum of loss over the rows (the mean with `mean`:
+                             divided by count), and count, the rows whose target is not
+                             ignore_index; in a fixed row order, summed in double */
+  int mean;
+  const float *count_in;  /* backward of a mean (else NULL): its count; each row's dloss divided by it */
+} fo_xent_reduce;
 
 /* The target of row r, or -1 when the row is ignored; out of range: vocab. */
 FO_HD int64_t fo_xent_class(const fo_xent_params *p, int64_t r) {
@@ -72,9 +78,9 @@ FO_HD float fo_xent_loss(const fo_xent_params *p, float lse, float zt, float zsu
 }
 
 /* A row's weight in the gradient: dloss, divided by the count of a mean. */
-FO_HD float fo_xent_dloss(const fo_xent_params *p, int64_t r) {
+FO_HD float fo_xent_dloss(const fo_xent_params *p, const float *count_in, int64_t r) {
   const float g = p->dloss[r * p->g_stride];
-  return p->count_in ? g / p->count_in[0] : g;
+  return count_in ? g / count_in[0] : g;
 }
 
 /* The backward of the fused linear cross-entropy: grad *= *dloss, where
@@ -94,15 +100,15 @@ typedef struct fo_xent_scale_params {
 /* CPU (xent_cpu.c, OpenMP over rows). They allocate nothing: NULL, always.
  * fwd: loss and lse, then total and count where asked. bwd: dlogits from lse_in. fwd_bwd: loss (and lse if
  * given) and dlogits in one pass over each row (dlogits may be logits). */
-const char *fo_xent_fwd_cpu(const fo_xent_params *p);
-const char *fo_xent_bwd_cpu(const fo_xent_params *p);
+const char *fo_xent_fwd_cpu(const fo_xent_params *p, const fo_xent_reduce *red);  /* red: NULL, or the */
+const char *fo_xent_bwd_cpu(const fo_xent_params *p, const fo_xent_reduce *red);  /* reduction's fields */
 const char *fo_xent_fwd_bwd_cpu(const fo_xent_params *p);
 const char *fo_xent_scale_cpu(const fo_xent_scale_params *p);
 
 /* CUDA (xent_cuda.cu): a block a row (and one block for total and count). Launch on `stream` (a cudaStream_t);
  * NULL on success or a static message naming the CUDA error. */
-const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream);
-const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream);
+const char *fo_xent_fwd_cuda(const fo_xent_params *p, const fo_xent_reduce *red, void *stream);
+const char *fo_xent_bwd_cuda(const fo_xent_params *p, const fo_xent_reduce *red, void *stream);
 const char *fo_xent_fwd_bwd_cuda(const fo_xent_params *p, void *stream);
 const char *fo_xent_scale_cuda(const fo_xent_scale_params *p, void *stream);
 

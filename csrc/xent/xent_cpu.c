@@ -94,7 +94,7 @@ FO_INLINE void store_block(fo_dtype dt, char *out, int64_t j, int64_t n, fo_vf d
 }
 
 /* Row r of dlogits from the row's lse: g (exp(z - lse) - e/V - (1 - e) [j = t]) dz/dx. */
-static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
+static void bwd_row(const fo_xent_params *p, int64_t r, float lse, const float *count_in) {
   const fo_dtype dt = p->dtype;
   const int es = fo_dtype_size(dt);
   const int64_t n = p->vocab, t = fo_xent_class(p, r);
@@ -104,7 +104,7 @@ static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
     return;
   }
   /* (no smoothing: no g * 0 term, which an infinite g would make NaN) */
-  const float g = fo_xent_dloss(p, r), gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
+  const float g = fo_xent_dloss(p, count_in, r), gs = p->smoothing == 0.f ? 0.f : g * p->smoothing / (float)n;
   const float gt = p->smoothing == 0.f ? g : g * (1.f - p->smoothing);
   const float c = p->softcap, ic = c > 0.f ? 1.f / c : 0.f;
   const char *row = row_at(p, r);
@@ -118,31 +118,32 @@ static void bwd_row(const fo_xent_params *p, int64_t r, float lse) {
 }
 
 /* total and count from the rows' losses, in row order (deterministic). */
-static void reduce_rows(const fo_xent_params *p) {
+static void reduce_rows(const fo_xent_params *p, const fo_xent_reduce *red) {
   double sum = 0.0;
   int64_t n = 0;
   for (int64_t r = 0; r < p->rows; ++r) {
     sum += p->loss[r];
     n += fo_xent_class(p, r) >= 0;
   }
-  *p->count = (float)n;
-  *p->total = (float)(p->mean ? sum / (double)n : sum);  /* a mean of no rows: NaN, as torch's */
+  *red->count = (float)n;
+  *red->total = (float)(red->mean ? sum / (double)n : sum);  /* a mean of no rows: NaN, as torch's */
 }
 
-const char *FO_FN(fo_xent_fwd_cpu)(const fo_xent_params *p) {
+const char *FO_FN(fo_xent_fwd_cpu)(const fo_xent_params *p, const fo_xent_reduce *red) {
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
   for (int64_t r = 0; r < p->rows; ++r) fwd_row(p, r);
-  if (p->total) reduce_rows(p);
+  if (red && red->total) reduce_rows(p, red);
   return NULL;
 }
-FO_ENTRY(const char *, fo_xent_fwd_cpu, (const fo_xent_params *p), (p))
+FO_ENTRY(const char *, fo_xent_fwd_cpu, (const fo_xent_params *p, const fo_xent_reduce *red), (p, red))
 
-const char *FO_FN(fo_xent_bwd_cpu)(const fo_xent_params *p) {
+const char *FO_FN(fo_xent_bwd_cpu)(const fo_xent_params *p, const fo_xent_reduce *red) {
+  const float *count_in = red ? red->count_in : NULL;
 #pragma omp parallel for schedule(static) if (fo_parallel(p->rows, p->rows * p->vocab))
-  for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, p->lse_in[r]);
+  for (int64_t r = 0; r < p->rows; ++r) bwd_row(p, r, p->lse_in[r], count_in);
   return NULL;
 }
-FO_ENTRY(const char *, fo_xent_bwd_cpu, (const fo_xent_params *p), (p))
+FO_ENTRY(const char *, fo_xent_bwd_cpu, (const fo_xent_params *p, const fo_xent_reduce *red), (p, red))
 
 /* An ignored row is zeroed without its lse (its loss is 0 and its gradient
  * 0 whatever its logits). */
@@ -152,9 +153,9 @@ const char *FO_FN(fo_xent_fwd_bwd_cpu)(const fo_xent_params *p) {
     if (fo_xent_class(p, r) < 0) {
       p->loss[r] = 0.0f;
       if (p->lse) p->lse[r] = NAN;
-      bwd_row(p, r, 0.0f);
+      bwd_row(p, r, 0.0f, NULL);
     } else {
-      bwd_row(p, r, fwd_row(p, r));
+      bwd_row(p, r, fwd_row(p, r), NULL);
     }
   }
   return NULL;

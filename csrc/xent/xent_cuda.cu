@@ -78,7 +78,8 @@ __device__ __forceinline__ float cap(const fo_xent_params &p, float x) {
 // (FWD too: the fused pass, which may write over the logits, and runs its
 // gradient loop backwards) or the saved one. THREADS a block (a row).
 template <class T, int VEC, bool FWD, bool BWD, int THREADS = kThreads>
-__global__ void __launch_bounds__(THREADS, THREADS == kFusedThreads ? 2 : 1) xent_kernel(const fo_xent_params p) {
+__global__ void __launch_bounds__(THREADS, THREADS == kFusedThreads ? 2 : 1) xent_kernel(const fo_xent_params p,
+                                                                                   const float *count_in) {
   constexpr int64_t kStep = (int64_t)THREADS * VEC;
   const int64_t r = blockIdx.x;
   const T *x = static_cast<const T *>(p.logits) + r * p.x_stride;
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(THREADS, THREADS == kFusedThreads ? 2 : 1) xen
   }
   if constexpr (BWD) {
     // (no smoothing: no g * 0 term, which an infinite g would make NaN)
-    const float g = fo_xent_dloss(&p, r), gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
+    const float g = fo_xent_dloss(&p, count_in, r), gs = p.smoothing == 0.f ? 0.f : g * p.smoothing / (float)p.vocab;
     const float gt = p.smoothing == 0.f ? g : g * (1.f - p.smoothing);
     const float lse2 = lse * kLog2e, ic = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     // This thread's vectors j0, j0 + kStep, ...: in the fused pass from the
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(THREADS, THREADS == kFusedThreads ? 2 : 1) xen
 // strided share of the rows in double, combined in a fixed order.
 constexpr int kReduceThreads = 1024;
 
-__global__ void __launch_bounds__(kReduceThreads) reduce_rows(const fo_xent_params p) {
+__global__ void __launch_bounds__(kReduceThreads) reduce_rows(const fo_xent_params p, const fo_xent_reduce red) {
   __shared__ double ssum[kReduceThreads / 32];
   __shared__ long long scount[kReduceThreads / 32];
   double sum = 0.0;
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_rows(const fo_xent_para
       sum += ssum[w];
       n += scount[w];
     }
-    *p.count = (float)n;
-    *p.total = (float)(p.mean ? sum / (double)n : sum);  // a mean of no rows: NaN, as torch's
+    *red.count = (float)n;
+    *red.total = (float)(red.mean ? sum / (double)n : sum);  // a mean of no rows: NaN, as torch's
   }
 }
 
@@ -199,15 +200,14 @@ int vec_width(const fo_xent_params &p, bool bwd, int esize) {
 }
 
 template <bool FWD, bool BWD>
-const char *launch(const fo_xent_params *p, void *stream) {
+const char *launch(const fo_xent_params *p, const fo_xent_reduce *red, void *stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (FWD && !BWD && p->total) {  // the rows, then their reduction
-    fo_xent_params rows = *p;
-    rows.total = rows.count = nullptr;
-    if (const char *err = launch<true, false>(&rows, stream)) return err;
-    reduce_rows<<<1, kReduceThreads, 0, s>>>(*p);
+  if (FWD && !BWD && red && red->total) {  // the rows, then their reduction
+    if (const char *err = launch<true, false>(p, nullptr, stream)) return err;
+    reduce_rows<<<1, kReduceThreads, 0, s>>>(*p, *red);
     return last_error();
   }
+  const float *count_in = red ? red->count_in : nullptr;
   if (p->rows == 0) return nullptr;
   if (p->rows > 0x7FFFFFFF) return "more than 2^31 - 1 rows";
   with_type(p->dtype, [&](auto tag) {
@@ -219,9 +219,9 @@ const char *launch(const fo_xent_params *p, void *stream) {
     // header); the rest as they were (fp32 and the narrow paths spill at 32
     // registers on sm_80).
     constexpr int kBig = FWD && BWD && sizeof(T) == 2 ? kFusedThreads : kThreads;
-    if (vec == kMax) xent_kernel<T, kMax, FWD, BWD, kBig><<<grid, kBig, 0, s>>>(*p);
-    else if (vec >= 2) xent_kernel<T, 2, FWD, BWD><<<grid, kThreads, 0, s>>>(*p);
-    else xent_kernel<T, 1, FWD, BWD><<<grid, kThreads, 0, s>>>(*p);
+    if (vec == kMax) xent_kernel<T, kMax, FWD, BWD, kBig><<<grid, kBig, 0, s>>>(*p, count_in);
+    else if (vec >= 2) xent_kernel<T, 2, FWD, BWD><<<grid, kThreads, 0, s>>>(*p, count_in);
+    else xent_kernel<T, 1, FWD, BWD><<<grid, kThreads, 0, s>>>(*p, count_in);
   });
   return last_error();
 }
@@ -267,6 +267,10 @@ extern "C" const char *fo_xent_scale_cuda(const fo_xent_scale_params *p, void *s
   return last_error();
 }
 
-extern "C" const char *fo_xent_fwd_cuda(const fo_xent_params *p, void *stream) { return launch<true, false>(p, stream); }
-extern "C" const char *fo_xent_bwd_cuda(const fo_xent_params *p, void *stream) { return launch<false, true>(p, stream); }
-extern "C" const char *fo_xent_fwd_bwd_cuda(const fo_xent_params *p, void *stream) { return launch<true, true>(p, stream); }
+extern "C" const char *fo_xent_fwd_cuda(const fo_xent_params *p, const fo_xent_reduce *red, void *stream) {
+  return launch<true, false>(p, red, stream);
+}
+extern "C" const char *fo_xent_bwd_cuda(const fo_xent_params *p, const fo_xent_reduce *red, void *stream) {
+  return launch<false, true>(p, red, stream);
+}
+extern "C" const char *fo_xent_fwd_bwd_cuda(const fo_xent_params *p, void *stream) { return launch<true, true>(p, nullptr, stream); }

@@ -65,14 +65,15 @@ std::tuple<Tensor, Tensor, Tensor> xent_fwd(Tensor logits, Tensor target, int64_
                          : empty_1d(logits, 0, ScalarType::Float, op, "count");
   p.loss = static_cast<float *>(rows_loss.data_ptr());
   p.lse = static_cast<float *>(lse.data_ptr());
+  fo_xent_reduce r{};
   if (reduced) {
-    p.total = static_cast<float *>(loss.data_ptr());
-    p.count = static_cast<float *>(count.data_ptr());
-    p.mean = red == "mean";
+    r.total = static_cast<float *>(loss.data_ptr());
+    r.count = static_cast<float *>(count.data_ptr());
+    r.mean = red == "mean";
   }
   if (p.rows > 0 || reduced)
-    run_kernel(op, "logits", logits, [&] { return fo_xent_fwd_cpu(&p); },
-               [&](void *stream) { return fo_xent_fwd_cuda(&p, stream); });
+    run_kernel(op, "logits", logits, [&] { return fo_xent_fwd_cpu(&p, &r); },
+               [&](void *stream) { return fo_xent_fwd_cuda(&p, &r, stream); });
   return {loss, lse, count};
 }
 
@@ -94,12 +95,13 @@ Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t 
   fo_xent_params p = xent_params(op, logits, target, ignore_index, label_smoothing, softcap);
   check_row_values(op, "dloss", dloss, logits, p.rows, true);
   check_row_values(op, "lse", lse, logits, p.rows);
+  fo_xent_reduce r{};
   if (count) {
     check_same_device(op, "count", *count, logits, "logits");
     STD_TORCH_CHECK(count->scalar_type() == ScalarType::Float && count->dim() == 0, op, ": count has dtype ",
                     dtype_name(count->scalar_type()), " and shape ", shape_str(*count),
                     ", expected a float32 [] (xent_fwd's count of a mean)");
-    p.count_in = static_cast<const float *>(count->data_ptr());
+    r.count_in = static_cast<const float *>(count->data_ptr());
   }
   lse = unit_last(lse, op, "lse");
   Tensor dlogits = new_output(logits, {p.rows, p.vocab}, logits.scalar_type(), op, "dlogits");
@@ -109,8 +111,8 @@ Tensor xent_bwd(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int64_t 
   p.dlogits = dlogits.data_ptr();
   p.d_stride = p.vocab;
   if (p.rows > 0)
-    run_kernel(op, "logits", logits, [&] { return fo_xent_bwd_cpu(&p); },
-               [&](void *stream) { return fo_xent_bwd_cuda(&p, stream); });
+    run_kernel(op, "logits", logits, [&] { return fo_xent_bwd_cpu(&p, &r); },
+               [&](void *stream) { return fo_xent_bwd_cuda(&p, &r, stream); });
   return dlogits;
 }
 
