@@ -29,11 +29,11 @@
  * few launches. No device allocation, no host sync: CUDA-graph capturable.
  * Measured figures and the history of versions: docs/perf-notes.md. */
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "adam.h"
 #include "../common/cuda_utils.cuh"
+#include "../common/tune.h"
 
 namespace {
 using namespace fo;
@@ -154,13 +154,10 @@ using Kernel = void (*)(const Table, const fo_adam_params);
 
 // Elements a thread updates a tile: 32 for fp32 params on SMs of more
 // bandwidth (bandwidth_rich_sms: more bytes in flight a thread), else 16.
-// FUSEDOPS_ADAM_PER_THREAD=8, 16 or 32 overrides, for tuning.
+// The tuning knob adam_per_thread (common/tune.h) = 8, 16 or 32 overrides.
 int per_thread(bool f32, int device) {
-  static const int forced = [] {
-    const char *e = getenv("FUSEDOPS_ADAM_PER_THREAD");
-    const int n = e ? atoi(e) : 0;
-    return n == 8 || n == 16 || n == 32 ? n : 0;
-  }();
+  const int n = fo_tuning.adam_per_thread;
+  const int forced = n == 8 || n == 16 || n == 32 ? n : 0;
   return forced ? forced : f32 && bandwidth_rich_sms(device) ? 32 : kPerThread;
 }
 
@@ -169,13 +166,11 @@ int per_thread(bool f32, int device) {
 // finish. Everything else: the persistent grid, since one block a tile
 // repeats a block's table walk and coefficients every tile, and on SMs of
 // more bandwidth fp32 gains from it too (docs/perf-notes.md has the
-// figures). FUSEDOPS_ADAM_GRID=tiles or persistent overrides, for tuning.
+// figures). The tuning knob adam_grid (common/tune.h) = 1 (a block a tile)
+// or 2 (persistent) overrides.
 bool block_per_tile(bool f32, int device) {
-  static const int v = [] {
-    const char *e = getenv("FUSEDOPS_ADAM_GRID");
-    return !e ? -1 : e[0] == 't' ? 1 : 0;
-  }();
-  return v < 0 ? f32 && !bandwidth_rich_sms(device) : v == 1;
+  const int v = fo_tuning.adam_grid;
+  return v == 0 ? f32 && !bandwidth_rich_sms(device) : v == 1;
 }
 
 template <int PER>

@@ -4,7 +4,10 @@ parameters in 18 tensors). On a shared VM the memory bandwidth drifts between
 the suite's back-to-back timings of each implementation; alternating the
 steps makes both see the same machine.
 
-    OMP_NUM_THREADS=2 python tools/probes/adam_alternate.py [--steps 60]"""
+    OMP_NUM_THREADS=2 python tools/probes/adam_alternate.py [--steps 60] [--tune adam_grid=2]
+
+--tune sets the CUDA plan's tuning knobs (csrc/common/tune.h: adam_per_thread
+8, 16 or 32; adam_grid 1 a block a tile, 2 persistent) in this process."""
 import argparse
 import statistics
 import sys
@@ -21,7 +24,11 @@ from benchmarks.bench_adam import SHAPES  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--tune", default="", help="tuning knobs name=value,... (csrc/common/tune.h)")
     a = ap.parse_args()
+    for kv in filter(None, a.tune.split(",")):
+        name, value = kv.split("=")
+        fusedops._C._tune(name, int(value))
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SHAPES[dev.type]
 
