@@ -220,7 +220,7 @@ def test_shapes(device, c):
 
 
 # Rows of 16K values and more are split over a thread-block cluster on sm_90
-# (norm_cuda.cu): slices that end mid-row (20000 = 5 slices of 4000 with the
+# (norm_wide.cuh): slices that end mid-row (20000 = 5 slices of 4000 with the
 # last one ragged), a width past the 8-block cluster (65536), fp32 (4-value
 # chunks), and more rows than clusters fit on the device at once, so that a
 # cluster walks several rows and reuses its exchange slots.
@@ -242,7 +242,7 @@ WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000
               rms((520, 32768), torch.bfloat16)]
 
 
-# Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
+# Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_bwd.cuh: each
 # row's s, dy and ds staged through shared memory, rows ahead; fp32 rows of
 # 4097-8192 values and every row of 16K and more split over a cluster, on
 # sm_90, as WIDE_CASES are): every stored
@@ -268,7 +268,7 @@ def check_twice(c, device):
 
 
 # Rows of 256, 512, 768 and 1024 16-bit values with a residual and a weight in x's
-# dtype run fwd_narrow on CUDA (norm_cuda.cu: the width a compile-time
+# dtype run fwd_narrow on CUDA (norm_regs.cuh: the width a compile-time
 # constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
 # row, a few, and thousands. Beside them, calls at those widths that
 # fwd_narrow leaves to fwd_regs: no weight, fp32 weight, fp32 residual, no
@@ -321,13 +321,13 @@ def test_half_aligned_rows(device, c):
 # 4097 and 6001 forward); teams of one-element chunks two rows a block (1025:
 # resident_rows); s, weight or no residual in other dtypes. The
 # forward's contiguous rows up to 1536 values (1024 with fp32 s) run
-# fwd_group instead (norm_cuda.cu: groups of 8 rows, 4 of fp32; 5, 33 and 3
+# fwd_group instead (norm_misaligned.cuh: groups of 8 rows, 4 of fp32; 5, 33 and 3
 # rows leave the last group part full, and a tail that is not a whole 16-byte
 # word), and their backward up to 438-512 values bwd_group (62, 262, 263 and
 # the one-warp cases' 257-259); their other sides are under
 # test_chunk_plans_cuda. The forward of such rows past 1536 values, and of
 # HALF_CASES' 8-byte rows, runs fwd_shift where the rows are contiguous
-# (norm_cuda.cu: each row's first values up to a 16-byte boundary, then
+# (norm_misaligned.cuh: each row's first values up to a 16-byte boundary, then
 # 16-byte chunks, then a tail): one, two and four chunks a thread (2050-4097,
 # 8190-8195, 10002-16386), heads of 1, 2, 5, 6 and 7 values (the rows of
 # 4095, 4097, 8195) and of 2, 4, 6 (2050, 8190), no weight or bias (4097), an
@@ -447,7 +447,7 @@ def test_rows_with_a_large_mean(device, c):
 # Long rows: every sum of the op (the forward's mean and variance or mean
 # square, the backward's row sums, dweight / dbias over rows) is taken in
 # blocks whose totals are added with compensation (cpu_dtype.h, long sums;
-# norm_cuda.cu), so its error does not grow with the row (it grew with it:
+# csrc/norm/norm_*.cuh), so its error does not grow with the row (it grew with it:
 # 4x eager's error at 262144 fp32 values, 250x at 4M; dweight of RMSNorm over
 # 262144 rows 36x). The 2x rule's floor, room for a sum taken in another order
 # than eager's, is where such growth hides: these cases hold the kernels to
@@ -505,7 +505,7 @@ HUGE_CASES = [ln((3, 1000), residual="none"), ln((3, 1000), residual="fp32"), rm
 @pytest.mark.parametrize("big", [1e30, 1e38])
 @pytest.mark.parametrize("c", HUGE_CASES, ids=ids(HUGE_CASES))
 def test_rows_with_a_huge_value(request, device, c, big):
-    if device == "cuda":  # strict: passes, and so fails, once norm_cuda.cu rescales such rows
+    if device == "cuda":  # strict: passes, and so fails, once the CUDA kernels rescale such rows
         request.applymarker(pytest.mark.xfail(strict=True, reason="the CUDA kernels do not rescale rows whose "
                                               "sums overflow yet: all-zero outputs (issue 50, item 7)"))
     inp = make_inputs(c, device)
@@ -751,7 +751,7 @@ def test_back_to_back_cuda(shape, rms_):
 
 
 # One width for each forward kernel that adds x and residual of one 16-bit
-# dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 768, 1024), fwd_regs with
+# dtype (csrc/norm/norm_*.cuh): fwd_narrow (256, 512, 768, 1024), fwd_regs with
 # one, two and four chunks a thread (4096, 8192, 16384), fwd_park (32768; every
 # row under norm_park=2, test_forward_plans_cuda), fwd_regs at 4 bytes
 # and one element a chunk (1030, 4099), fwd_loop (8195: one element a load)

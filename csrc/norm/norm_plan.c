@@ -1,7 +1,8 @@
 /* The norm's launch plans (norm_plan.h): which kernel, its shape, grid and
  * shared memory, from the call and the device's facts. Each rule below says
  * what it decides and why; the measurements behind them are in
- * docs/perf/norm.md. Kernels and what they are for: norm_cuda.cu. */
+ * docs/perf/norm.md. Kernels and what they are for: norm_cuda.cu and the
+ * norm_*.cuh files it lists. */
 #include "norm_plan.h"
 
 #include <stdbool.h>
