@@ -120,7 +120,7 @@ class BuildExt(cpp_extension.BuildExtension):
 
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*/*_ops.cpp") + ["csrc/module.c"]
-                     + glob.glob("csrc/*/*_cpu.c"))
+                     + glob.glob("csrc/*/*_cpu.c") + glob.glob("csrc/*/*_plan.c") + ["csrc/common/tune.c"])
     cxx = ["-O3", "-std=c++17", "-Wall", *DEFINES]
     link = ["-fopenmp"]
     if sys.platform.startswith("linux"):  # export PyInit__C alone (csrc/exports.map)

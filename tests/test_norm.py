@@ -5,6 +5,7 @@ fusedops.nn.LayerNorm / RMSNorm.
 Every output and gradient is checked against fusedops.reference.add_norm run in
 float64 by the 2x rule (tests/tolerances.py), with reference.add_norm run on the
 low-precision inputs on the same device as the yardstick."""
+import contextlib
 import copy
 import itertools
 import math
@@ -219,7 +220,7 @@ def test_shapes(device, c):
 
 
 # Rows of 16K values and more are split over a thread-block cluster on sm_90
-# (norm_cuda.cu): slices that end mid-row (20000 = 5 slices of 4000 with the
+# (norm_wide.cuh): slices that end mid-row (20000 = 5 slices of 4000 with the
 # last one ragged), a width past the 8-block cluster (65536), fp32 (4-value
 # chunks), and more rows than clusters fit on the device at once, so that a
 # cluster walks several rows and reuses its exchange slots.
@@ -237,11 +238,11 @@ WIDE_CASES = [ln((600, 20000), torch.bfloat16, residual="fp32"), rms((600, 20000
               ln((129, 16392), torch.bfloat16, param="fp32"), rms((70, 30000), torch.bfloat16, residual="none"),
               ln((5, 32768), torch.float16, bias=False, param="fp32"),
               # two waves of fwd_park's blocks: fwd_park by default on an H100,
-              # RMSNorm's fwd_regs on an H200 (launch_park)
+              # RMSNorm's fwd_regs on an H200 (norm_plan.c, park_plan)
               rms((520, 32768), torch.bfloat16)]
 
 
-# Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_cuda.cu: each
+# Rows of 4097-8192 16-bit values run bwd_pipe on CUDA (norm_bwd.cuh: each
 # row's s, dy and ds staged through shared memory, rows ahead; fp32 rows of
 # 4097-8192 values and every row of 16K and more split over a cluster, on
 # sm_90, as WIDE_CASES are): every stored
@@ -267,7 +268,7 @@ def check_twice(c, device):
 
 
 # Rows of 256, 512, 768 and 1024 16-bit values with a residual and a weight in x's
-# dtype run fwd_narrow on CUDA (norm_cuda.cu: the width a compile-time
+# dtype run fwd_narrow on CUDA (norm_regs.cuh: the width a compile-time
 # constant, one warp a row): LayerNorm with and without bias, RMSNorm, one
 # row, a few, and thousands. Beside them, calls at those widths that
 # fwd_narrow leaves to fwd_regs: no weight, fp32 weight, fp32 residual, no
@@ -291,7 +292,7 @@ def test_narrow_rows(device, c):
 
 
 # Rows of a multiple of 4 16-bit values but not of 8 run 8-byte kernels on
-# CUDA (norm_cuda.cu, access_vec: fwd_regs and bwd_regs at 4 values a chunk,
+# CUDA (norm_plan.c, access_vec: fwd_regs and bwd_regs at 4 values a chunk,
 # else the loop kernels and dwdb_cols): a warp a row (100), teams of 64
 # threads (260) and 288 (4100, 8196), the forward's 8 chunks a thread (8196),
 # the loop kernels past the register teams (16388 forward and backward, 8196
@@ -311,7 +312,7 @@ def test_half_aligned_rows(device, c):
 # Rows that no 8-byte access fits run the register kernels at 4 bytes a chunk
 # (16-bit rows of 2 mod 4 values, whose rows are 4-byte aligned; fp32 rows of
 # an even number of values: 8 bytes) or one element a chunk (odd widths) on
-# CUDA (norm_cuda.cu, access_vec), and past their teams the loop kernels one
+# CUDA (norm_plan.c, access_vec), and past their teams the loop kernels one
 # element a load: one chunk a thread (62: the backward's dweight / dbias sums
 # padded to a float4), teams of 64-512 threads with 4 or 8 chunks a thread,
 # the forward's 8 chunks of 2 (8190) and of 1 (4095), the backward's 16 of 1
@@ -320,17 +321,17 @@ def test_half_aligned_rows(device, c):
 # 4097 and 6001 forward); teams of one-element chunks two rows a block (1025:
 # resident_rows); s, weight or no residual in other dtypes. The
 # forward's contiguous rows up to 1536 values (1024 with fp32 s) run
-# fwd_group instead (norm_cuda.cu: groups of 8 rows, 4 of fp32; 5, 33 and 3
+# fwd_group instead (norm_misaligned.cuh: groups of 8 rows, 4 of fp32; 5, 33 and 3
 # rows leave the last group part full, and a tail that is not a whole 16-byte
 # word), and their backward up to 438-512 values bwd_group (62, 262, 263 and
 # the one-warp cases' 257-259); their other sides are under
 # test_chunk_plans_cuda. The forward of such rows past 1536 values, and of
 # HALF_CASES' 8-byte rows, runs fwd_shift where the rows are contiguous
-# (norm_cuda.cu: each row's first values up to a 16-byte boundary, then
+# (norm_misaligned.cuh: each row's first values up to a 16-byte boundary, then
 # 16-byte chunks, then a tail): one, two and four chunks a thread (2050-4097,
 # 8190-8195, 10002-16386), heads of 1, 2, 5, 6 and 7 values (the rows of
 # 4095, 4097, 8195) and of 2, 4, 6 (2050, 8190), no weight or bias (4097), an
-# fp32 weight (2050, 4095, 16382); with FUSEDOPS_NORM_SHIFT=0 (test_chunk_plans_cuda) the
+# fp32 weight (2050, 4095, 16382); with norm_shift=0 (test_chunk_plans_cuda) the
 # register and loop kernels run them, and with 2 fwd_shift runs every width.
 SMALL_CHUNK_CASES = [ln((5, 62), torch.bfloat16), ln((33, 1030), torch.bfloat16),
                      rms((1000, 262), torch.float16, residual="fp32"), ln((5, 2050), torch.bfloat16, param="fp32"),
@@ -360,10 +361,9 @@ def test_shifted_rows_cuda(c, offset):
     head) 4 bytes at a time where their addresses allow it, else an element
     at a time: parameters that start `offset` values into their storage give
     bitwise the forward of aligned ones (y only where fwd_shift runs: with
-    FUSEDOPS_NORM_SHIFT=0 such parameters take the rows to one element a
+    the norm_shift knob at 0 such parameters take the rows to one element a
     chunk, another order of sums), and every result passes the 2x rule."""
-    import os
-    shift = os.environ.get("FUSEDOPS_NORM_SHIFT", "1") != "0"
+    shift = fusedops._C._tune()["norm_shift"][0] != 0
     inp = make_inputs(c, "cuda")
 
     def moved(t):
@@ -382,7 +382,7 @@ def test_shifted_rows_cuda(c, offset):
 
 # Rows where a team would be two warps with lanes to spare run one warp a row
 # at twice the values on CUDA: the backward's wherever the team is not full
-# (norm_cuda.cu, bwd_warp: 384 and 264 16-bit values, 260 in HALF_CASES, 200
+# (norm_plan.c, the backward's one-warp rule: 384 and 264 16-bit values, 260 in HALF_CASES, 200
 # fp32 values, 257 in 16 chunks of one element, 258 in 8 of two; 259 fp32
 # keeps its team of 64), the forward's where about half its chunk slots are
 # empty and its chunks are of 16 bytes, or of 8 for LayerNorm (fwd_warp: 264;
@@ -399,11 +399,11 @@ def test_warp_backward_rows(device, c):
 
 
 # The backward between 2048 and 4096 values on CUDA: 16-bit x and s from 2304
-# values run bwd_pipe (norm_cuda.cu, bwd_pipe_mid; teams of 160-256 threads,
+# values run bwd_pipe (norm_plan.c, bwd_pipe_mid; teams of 160-256 threads,
 # at 2600 192 whose last chunks lie past the row), bf16 rows below it (2056,
 # 2200) bwd_regs at 16 values a thread (bwd_mid_bf16; the last threads'
 # second chunks past the row), and an fp32 residual bwd_regs at 8. With
-# FUSEDOPS_NORM_BWD_PIPE_FROM=65536 (test_backward_plans_cuda) the rows of
+# norm_bwd_pipe_from=65536 (test_backward_plans_cuda) the rows of
 # 2304 and up take bwd_mid_bf16 (bf16) or 8 values (fp16, an fp32 weight).
 MID_BWD_CASES = [ln((1000, 2560), torch.bfloat16), rms((37, 2056), torch.bfloat16), ln((7, 3072), torch.bfloat16),
                  rms((5, 3840), torch.bfloat16), ln((3, 5, 3584), torch.bfloat16, bias=False),
@@ -447,7 +447,7 @@ def test_rows_with_a_large_mean(device, c):
 # Long rows: every sum of the op (the forward's mean and variance or mean
 # square, the backward's row sums, dweight / dbias over rows) is taken in
 # blocks whose totals are added with compensation (cpu_dtype.h, long sums;
-# norm_cuda.cu), so its error does not grow with the row (it grew with it:
+# csrc/norm/norm_*.cuh), so its error does not grow with the row (it grew with it:
 # 4x eager's error at 262144 fp32 values, 250x at 4M; dweight of RMSNorm over
 # 262144 rows 36x). The 2x rule's floor, room for a sum taken in another order
 # than eager's, is where such growth hides: these cases hold the kernels to
@@ -505,7 +505,7 @@ HUGE_CASES = [ln((3, 1000), residual="none"), ln((3, 1000), residual="fp32"), rm
 @pytest.mark.parametrize("big", [1e30, 1e38])
 @pytest.mark.parametrize("c", HUGE_CASES, ids=ids(HUGE_CASES))
 def test_rows_with_a_huge_value(request, device, c, big):
-    if device == "cuda":  # strict: passes, and so fails, once norm_cuda.cu rescales such rows
+    if device == "cuda":  # strict: passes, and so fails, once the CUDA kernels rescale such rows
         request.applymarker(pytest.mark.xfail(strict=True, reason="the CUDA kernels do not rescale rows whose "
                                               "sums overflow yet: all-zero outputs (issue 50, item 7)"))
     inp = make_inputs(c, device)
@@ -567,71 +567,102 @@ def test_streaming_stores_cpu(env):
                          "test_large_mean or test_narrow_rows or test_half_aligned or test_small_chunk)")
 
 
-@requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_STAGES=2", "FUSEDOPS_NORM_STAGES=4",
-                                 "FUSEDOPS_NORM_STAGES=0 FUSEDOPS_NORM_BWD_BLOCK=256", "FUSEDOPS_NORM_VALUES=16",
-                                 "FUSEDOPS_NORM_BWD_WARP=0", "FUSEDOPS_NORM_BWD_PIPE_FROM=65536",
-                                 "FUSEDOPS_NORM_SMALL_CHUNKS=0"])
-def test_backward_plans_cuda(env):
-    """The backward's tuning switches: two and four pipeline stages, bwd_regs
-    with 256-thread blocks (the plan before bwd_pipe), and 16 values a thread
-    (registers that cap a block at 512 threads), two-warp teams where one
-    warp would do (bwd_warp off), bwd_regs for the 16-bit rows of 2304-4096
-    values (bwd_pipe_mid off), and the loop kernels where chunks would be of
-    one or two values (small_chunks off), on the pipe, wide-row, shape,
-    8-byte, small-chunk, one-warp and middle-width cases."""
-    _tests_with_env(env, "test_wide_rows or test_pipe_rows or ((test_shapes or test_half_aligned or "
-                         "test_small_chunk or test_warp_backward or test_mid_backward) and cuda)")
+@contextlib.contextmanager
+def tuned(**knobs):
+    """The CUDA plans' tuning knobs (csrc/common/tune.h) set for a block, in
+    this process, and restored after it."""
+    old = {}
+    try:
+        for name, value in knobs.items():
+            old[name] = fusedops._C._tune(name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            fusedops._C._tune(name, value)
+
+
+def _cuda_calls(*groups):
+    """This file's CUDA tests of the named groups, as (test function, arguments)."""
+    dev = "cuda"
+    table = {
+        "wide": [(test_wide_rows_cuda, dict(c=c)) for c in WIDE_CASES + PIPE_CASES],
+        "pipe_no_ds": [(test_pipe_rows_without_ds_cuda, dict(rms_=r)) for r in (False, True)],
+        "shapes": [(test_shapes, dict(device=dev, c=c)) for c in SHAPE_CASES],
+        "half": [(test_half_aligned_rows, dict(device=dev, c=c)) for c in HALF_CASES],
+        "small": [(test_small_chunk_rows, dict(device=dev, c=c)) for c in SMALL_CHUNK_CASES],
+        "warp": [(test_warp_backward_rows, dict(device=dev, c=c)) for c in WARP_BWD_CASES],
+        "mid": [(test_mid_backward_rows, dict(device=dev, c=c)) for c in MID_BWD_CASES],
+        "shifted": [(test_shifted_rows_cuda, dict(c=c, offset=o)) for c in SHIFT_PARAM_CASES for o in (1, 2)],
+        "no_stats": [(test_forward_without_stats, dict(device=dev, c=c)) for c in NO_STATS_CASES]
+                    + [(test_forward_without_stats_wide_cuda, dict(c=c)) for c in NO_STATS_CUDA_CASES],
+        "park_layouts": [(test_noncontiguous, dict(device=dev, c=c, arg=a, kind=k)) for c, a, k in LAYOUT_PARAMS
+                         if 17000 in c.shape],
+        "back_to_back": [(test_back_to_back_cuda, dict(shape=sh, rms_=r)) for sh in BACK_TO_BACK
+                         for r in (False, True)],
+        "eager_sum": [(test_s_is_eager_sum, dict(device=dev, cols=n, dtype=t, rms_=r)) for n in EAGER_SUM_WIDTHS
+                      for t in (torch.bfloat16, torch.float16) for r in (False, True)],
+        "narrow": [(test_narrow_rows, dict(device=dev, c=c)) for c in NARROW_CASES],
+    }
+    return [call for g in groups for call in table[g]]
+
+
+def _run_tuned(knobs, calls):
+    """Runs each call with the knobs set; a failure names the knobs and the call."""
+    with tuned(**knobs):
+        for fn, kwargs in calls:
+            try:
+                fn(**kwargs)
+            except pytest.skip.Exception:
+                pass
+            except Exception as e:
+                raise AssertionError(f"with {knobs}: {fn.__name__}({kwargs}): {e}") from e
 
 
 @requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_BWD_CHUNKS=8", "FUSEDOPS_NORM_BWD_BLOCK=1024",
-                                 "FUSEDOPS_NORM_FWD_WARP=0", "FUSEDOPS_NORM_FWD_WARP=2",
-                                 "FUSEDOPS_NORM_GROUP=0", "FUSEDOPS_NORM_GROUP=2 FUSEDOPS_NORM_GROUP_KB=200",
-                                 "FUSEDOPS_NORM_GROUP_BWD=0", "FUSEDOPS_NORM_SHIFT=0", "FUSEDOPS_NORM_SHIFT=2",
-                                 "FUSEDOPS_NORM_SHIFT_BWD=0", "FUSEDOPS_NORM_SHIFT_BWD=2",
-                                 "FUSEDOPS_NORM_SHIFT_EARLY=0"])
-def test_chunk_plans_cuda(env):
-    """The backward's plans before 16 chunks a thread (BWD_CHUNKS=8: the
-    one-element rows of 4097-8191 on the loop kernels, 257 on a team of 64)
-    and before resident_rows (BWD_BLOCK set: the block target decides), and
-    the forward's one-warp rule off (FWD_WARP=0) and taken wherever a warp
-    holds the row (2: 384 and 258 among them), and fwd_group off (GROUP=0:
-    the register kernels at 4 bytes and one element) and taken also at 8
-    bytes a chunk, up to 200 KB a block (GROUP=2: 100, 260, 1004 and 4100
-    wide among them), and bwd_group off (GROUP_BWD=0: 62, 257-263 on
-    bwd_regs), and fwd_shift off (SHIFT=0: the forward's rows of 4 mod 8
-    values and its rows past 1536 values of 2 mod 4 or odd widths on the
-    register and loop kernels) and taken at every width (SHIFT=2: 1 and 7
-    values all head or tail, 62-263 one warp a row, fwd_group's 1025 and
-    1030), and bwd_shift likewise (SHIFT_BWD=0: bwd_regs and the loop kernels;
-    2: bwd_group's rows too), and fwd_shift's one-chunk kernels with the
-    weight loaded after the reductions (SHIFT_EARLY=0), on the shape, 8-byte,
-    small-chunk, one-warp and shifted-row cases."""
-    _tests_with_env(env, "test_shifted_rows or ((test_shapes or test_half_aligned or test_small_chunk or "
-                         "test_warp_backward) and cuda)")
+@pytest.mark.parametrize("knobs", [dict(norm_stages=4), dict(norm_stages=0), dict(norm_values=16),
+                                   dict(norm_bwd_pipe_from=65536)], ids=str)
+def test_backward_plans_cuda(knobs):
+    """The backward's tuning knobs: four pipeline stages (three rows ahead), no
+    pipe kernels (stages 0: bwd_regs and the loop kernels take their rows), 16
+    values a thread (registers that cap a block at 512 threads), and bwd_regs
+    for the 16-bit rows of 2304-4096 values (bwd_pipe from 65536 only), on the
+    pipe, wide-row, shape, 8-byte, small-chunk, one-warp and middle-width cases."""
+    _run_tuned(knobs, _cuda_calls("wide", "pipe_no_ds", "shapes", "half", "small", "warp", "mid"))
 
 
 @requires_cuda
-@pytest.mark.parametrize("env", ["FUSEDOPS_NORM_PARK=2", "FUSEDOPS_NORM_PARK=0", "FUSEDOPS_NORM_STATS_BLOCK=0",
-                                 "FUSEDOPS_NORM_NARROW_BLOCK=1", "FUSEDOPS_NORM_NARROW_BLOCK=2",
-                                 "FUSEDOPS_NORM_LN16=0", "FUSEDOPS_NORM_LN16=2"])
-def test_forward_plans_cuda(env):
+@pytest.mark.parametrize("knobs", [dict(norm_group=0), dict(norm_group=2, norm_group_kb=200), dict(norm_group_bwd=0),
+                                   dict(norm_shift=0), dict(norm_shift=2), dict(norm_shift_bwd=0),
+                                   dict(norm_shift_bwd=2)], ids=str)
+def test_chunk_plans_cuda(knobs):
+    """fwd_group off (the register kernels at 4 bytes and one element) and
+    taken also at 8 bytes a chunk, up to 200 KB a block (100, 260, 1004 and
+    4100 wide among them), bwd_group off (62, 257-263 on bwd_regs), fwd_shift
+    off (the forward's rows of 4 mod 8 values and its rows past 1536 values of
+    2 mod 4 or odd widths on the register and loop kernels) and taken at every
+    width (1 and 7 values all head or tail, 62-263 one warp a row, fwd_group's
+    1025 and 1030), and bwd_shift likewise (off: bwd_regs and the loop
+    kernels; 2: bwd_group's rows too), on the shape, 8-byte, small-chunk,
+    one-warp and shifted-row cases."""
+    _run_tuned(knobs, _cuda_calls("shifted", "shapes", "half", "small", "warp"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("knobs", [dict(norm_park=2), dict(norm_park=0), dict(norm_narrow_block=1),
+                                   dict(norm_narrow_block=2), dict(norm_ln16=0), dict(norm_ln16=2)], ids=str)
+def test_forward_plans_cuda(knobs):
     """fwd_park runs by default only where its rows fill its last wave of
-    blocks (norm_cuda.cu, launch_park), which most test shapes do not: with
-    FUSEDOPS_NORM_PARK=2 it runs every 16K-32K row of 16-bit x and s, and with
-    0 none (fwd_regs' 1024-thread teams and fwd_pipe run them). With
-    FUSEDOPS_NORM_STATS_BLOCK=0 training's narrow rows run a block a row.
-    FUSEDOPS_NORM_NARROW_BLOCK sets the rows (one a warp) of a block of the
-    forward without statistics at 256 and 512 wide, whose default depends on
-    the GPU's memory bandwidth (1 on an H100, 2 on an H200): with 2, odd row
-    counts (1, 3, 5, 9, 13, 1001) leave the last block half full.
-    FUSEDOPS_NORM_LN16 likewise sets LayerNorm's values a thread at 2048-4096
-    wide (8 on an H100, 16 on an H200; 0: 8, 2: 16 on any GPU), on the middle
-    widths' cases (2200-3584, bf16 and fp16)."""
-    _tests_with_env(env, "test_wide_rows or (test_forward_without_stats and cuda) or "
-                         "(test_noncontiguous and 17000 and cuda) or test_back_to_back or "
-                         "(test_s_is_eager_sum and cuda) or test_narrow_rows or (test_mid_backward and cuda)")
+    blocks (norm_plan.c, park_plan), which most test shapes do not: with
+    norm_park=2 it runs every 16K-32K row of 16-bit x and s, and with 0 none
+    (fwd_regs' 1024-thread teams and fwd_pipe run them). norm_narrow_block
+    sets the rows (one a warp) of a block of the forward without statistics at
+    256 and 512 wide, whose default depends on the GPU's memory bandwidth (1 on
+    an H100, 2 on an H200): with 2, odd row counts (1, 3, 5, 9, 13, 1001)
+    leave the last block half full. norm_ln16 likewise sets LayerNorm's values
+    a thread at 2048-4096 wide (8 on an H100, 16 on an H200; 0: 8, 2: 16 on
+    any GPU), on the middle widths' cases (2200-3584, bf16 and fp16)."""
+    _run_tuned(knobs, _cuda_calls("wide", "no_stats", "park_layouts", "back_to_back", "eager_sum", "narrow",
+                                  "mid"))
 
 
 # One shape (rows, cols) for each kernel: fwd_narrow (1024 wide), fwd_regs and
@@ -639,7 +670,7 @@ def test_forward_plans_cuda(env):
 # fwd_group and bwd_group (257),
 # fwd_loop, bwd_loop and dwdb_cols (8195: one element a load; the backward of
 # 4099 too),
-# fwd_park under FUSEDOPS_NORM_PARK=2 (32768; test_forward_plans_cuda), the
+# fwd_park under norm_park=2 (32768; test_forward_plans_cuda), the
 # cluster pipes (65536); colsum after every backward.
 BACK_TO_BACK = [(2048, 1024), (1024, 4096), (1024, 4100), (512, 4099), (1024, 1030), (1024, 1025),
                 (1024, 257), (256, 8195), (96, 32768), (48, 65536)]
@@ -720,9 +751,9 @@ def test_back_to_back_cuda(shape, rms_):
 
 
 # One width for each forward kernel that adds x and residual of one 16-bit
-# dtype (csrc/norm/norm_cuda.cu): fwd_narrow (256, 512, 768, 1024), fwd_regs with
+# dtype (csrc/norm/norm_*.cuh): fwd_narrow (256, 512, 768, 1024), fwd_regs with
 # one, two and four chunks a thread (4096, 8192, 16384), fwd_park (32768; every
-# row under FUSEDOPS_NORM_PARK=2, test_forward_plans_cuda), fwd_regs at 4 bytes
+# row under norm_park=2, test_forward_plans_cuda), fwd_regs at 4 bytes
 # and one element a chunk (1030, 4099), fwd_loop (8195: one element a load)
 # and the pipe (65536).
 EAGER_SUM_WIDTHS = [256, 512, 768, 1024, 4096, 8192, 16384, 32768, 1030, 4099, 8195, 65536]
@@ -810,7 +841,7 @@ def test_raw_forward_outputs(device, c):
 NO_STATS_CASES = STAT_CASES + [ln((300, 4099), torch.bfloat16), ln((30, 8195), torch.bfloat16),
                                rms((40, 4096), torch.float16, residual="fp32"),
                                ln((70, 512), torch.bfloat16), rms((70, 1024), torch.float16),  # fwd_narrow
-                               # and its two-warp blocks (H200; FUSEDOPS_NORM_NARROW_BLOCK=2), the last one half full
+                               # and its two-warp blocks (H200; norm_narrow_block=2), the last one half full
                                ln((33, 256), torch.bfloat16), rms((7, 512), torch.float16),
                                ln((1, 512), torch.bfloat16, bias=False), rms((1001, 256), torch.bfloat16)]
 NO_STATS_CUDA_CASES = [ln((33, 32768), torch.bfloat16), rms((9, 32768), torch.float16),
@@ -925,7 +956,7 @@ LAYOUT_PARAMS = [(c, arg, kind) for c in LAYOUT_CASES for arg, kind in LAYOUTS
                  if not (arg == "bias" and c.rms) and not (kind == "permute" and len(c.shape) < 3)]
 # Layouts whose results may differ in rounding from the contiguous ones on CUDA:
 # with rows not 16-byte aligned the CUDA kernels read 8 or 4 bytes or one
-# element at a time (norm_cuda.cu, access_vec), and sum in another order. Every other
+# element at a time (norm_plan.c, access_vec), and sum in another order. Every other
 # layout is read in place on the same path, or copied, and must give bitwise the
 # contiguous results.
 NOT_BITWISE_ON_CUDA = {"slice_misaligned", "slice_half", "slice_quarter"}

@@ -12,6 +12,7 @@
  * elements (64-bit). Statistics and accumulation are fp32. */
 #pragma once
 #include "../common/fo_types.h"
+#include "norm_plan.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -46,7 +47,8 @@ typedef struct fo_norm_bwd_params {
   void *dweight;      /* [cols] w_dtype, or NULL when not wanted */
   void *dbias;        /* [cols] w_dtype, or NULL when not wanted */
   float *partial;     /* fp32 workspace [2, parts, cols] for dweight/dbias partial sums,
-                         parts from fo_norm_bwd_*_parts(); NULL when neither is wanted */
+                         parts from fo_norm_bwd_cpu_parts() or the CUDA plan's;
+                         NULL when neither is wanted */
   int64_t parts;
   int64_t dy_stride, ds_stride, s_stride;
   int rms;
@@ -58,11 +60,13 @@ const char *fo_norm_fwd_cpu(const fo_norm_fwd_params *p);
 int64_t fo_norm_bwd_cpu_parts(const fo_norm_bwd_params *p);
 const char *fo_norm_bwd_cpu(const fo_norm_bwd_params *p);
 
-/* CUDA (norm_cuda.cu). Launch on `stream` (a cudaStream_t); return NULL on
- * success or a static message naming the CUDA error. */
+/* CUDA (norm_cuda.cu). Each returns NULL on success or a static message
+ * naming the error. The forward plans and launches on `stream` (a
+ * cudaStream_t). The backward is planned once (norm_plan.h) on `device`: the
+ * shim allocates p->partial for plan->parts rows, then launches that plan. */
 const char *fo_norm_fwd_cuda(const fo_norm_fwd_params *p, void *stream);
-int64_t fo_norm_bwd_cuda_parts(const fo_norm_bwd_params *p, int device);
-const char *fo_norm_bwd_cuda(const fo_norm_bwd_params *p, void *stream);
+const char *fo_norm_bwd_cuda_plan(const fo_norm_bwd_params *p, int device, fo_norm_plan *plan);
+const char *fo_norm_bwd_cuda(const fo_norm_bwd_params *p, const fo_norm_plan *plan, void *stream);
 
 #ifdef __cplusplus
 }

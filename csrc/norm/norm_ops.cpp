@@ -154,7 +154,7 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
   p.rstd = static_cast<const float *>(rstd.data_ptr());
   p.dx = dx.data_ptr();
 
-  // dweight / dbias: partial rows, as many parts as the device's kernel takes
+  // dweight / dbias: partial rows, as many parts as the plan's kernel writes
   const bool need_partial = need_dweight || need_dbias;
   Tensor partial;
   auto with_parts = [&](int64_t parts) {
@@ -168,8 +168,10 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(Tensor dy, OptTensor ds, Tensor 
                return fo_norm_bwd_cpu(&p);
              },
              [&](void *stream) {
-               if (need_partial) with_parts(fo_norm_bwd_cuda_parts(&p, s.get_device_index()));
-               return fo_norm_bwd_cuda(&p, stream);
+               fo_norm_plan plan;
+               if (const char *err = fo_norm_bwd_cuda_plan(&p, s.get_device_index(), &plan)) return err;
+               if (need_partial) with_parts(plan.parts);
+               return fo_norm_bwd_cuda(&p, &plan, stream);
              });
   return {dx, dw, db};
 }

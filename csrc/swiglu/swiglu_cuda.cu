@@ -13,10 +13,9 @@
  * has fewer than 2^32 vectors) and its row through the row map. No shared
  * memory, no persistent grid: one block per blockDim * U vectors.
  * Measured figures: docs/perf-notes.md. */
-#include <cstdlib>
-#include <cstring>
 
 #include "../common/cuda_utils.cuh"
+#include "../common/tune.h"
 
 #define FO_GLU_MATH
 #define FO_GLU_FN __device__ __forceinline__
@@ -28,22 +27,10 @@ namespace {
 using namespace fo;
 
 constexpr int kThreads = 256;
-// U, vectors per thread: forward and backward. FUSEDOPS_GLU_VECTORS="F,B"
-// overrides them (1, 2 or 4 each), for tuning (tools/probes/glu_tune.py).
-constexpr int kFwdVectors = 1, kBwdVectors = 2;
-
-int vectors_per_thread(bool bwd) {
-  static const int fb[2] = {[] {
-    const char *e = getenv("FUSEDOPS_GLU_VECTORS");
-    return e ? atoi(e) : kFwdVectors;
-  }(), [] {
-    const char *e = getenv("FUSEDOPS_GLU_VECTORS");
-    const char *c = e ? strchr(e, ',') : nullptr;
-    return c ? atoi(c + 1) : kBwdVectors;
-  }()};
-  const int u = fb[bwd];
-  return u == 1 || u == 2 || u == 4 ? u : (bwd ? kBwdVectors : kFwdVectors);
-}
+// U, vectors per thread, forward and backward: the tuning knobs
+// glu_fwd_vectors and glu_bwd_vectors (common/tune.h; 1, 2, or 4 for 3 or 4),
+// set in-process by tools/probes/glu_tune.py.
+int vectors_per_thread(bool bwd) { return bwd ? fo_tuning.glu_bwd_vectors : fo_tuning.glu_fwd_vectors; }
 
 // Element offset of row r (swiglu.h, fo_glu_rows).
 template <class I>

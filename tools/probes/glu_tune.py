@@ -1,13 +1,13 @@
 """Kernel-tuning probe for the SwiGLU CUDA kernels: GPU time (CUDA-graph replay
 over rotating inputs) of the raw glu_fwd and glu_bwd ops, as GB/s and as a
-fraction of the copy ceiling measured in the same run. Run it once per setting
-of FUSEDOPS_GLU_VECTORS ("F,B": vectors per thread, swiglu_cuda.cu):
+fraction of the copy ceiling measured in the same run, at the vectors a thread
+that --vectors "F,B" sets (the tuning knobs glu_fwd_vectors / glu_bwd_vectors,
+csrc/common/tune.h):
 
-    FUSEDOPS_GLU_VECTORS=2,2 python tools/probes/glu_tune.py --shapes 16384x11008
+    python tools/probes/glu_tune.py --vectors 2,2 --shapes 16384x11008
 
 Not the benchmark suite (benchmarks/): no eager or compile, no autograd."""
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import common  # noqa: E402
-import fusedops  # noqa: E402,F401
+import fusedops  # noqa: E402
 
 ops = torch.ops.fusedops
 
@@ -25,11 +25,16 @@ def main():
     ap.add_argument("--shapes", default="16384x11008,16384x14336")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--packed", action="store_true")
+    ap.add_argument("--vectors", help='"F,B": vectors a thread, forward and backward (1, 2 or 4); default: the plan\'s')
     a = ap.parse_args()
+    if a.vectors:
+        f, b = map(int, a.vectors.split(","))
+        fusedops._C._tune("glu_fwd_vectors", f)
+        fusedops._C._tune("glu_bwd_vectors", b)
     dev = torch.device("cuda")
     dt = getattr(torch, a.dtype)
     ceiling = common.copy_ceiling(dev)["GB/s"]
-    tag = os.environ.get("FUSEDOPS_GLU_VECTORS", "default")
+    tag = a.vectors or "default"
     for shape in a.shapes.split(","):
         T, F = map(int, shape.split("x"))
         n = T * F * dt.itemsize

@@ -1,29 +1,12 @@
 """Kernel-tuning probe for the fused add+norm CUDA kernels: GPU time (CUDA-graph
 replay over rotating inputs) of the raw forward and backward ops at a few
 shapes, as GB/s and as a fraction of the copy ceiling measured in the same run.
-Run it once per setting of FUSEDOPS_NORM_VALUES (values per thread that the
-launch plan aims for, norm_cuda.cu), FUSEDOPS_NORM_STAGES (rows the pipe
-kernels stage), FUSEDOPS_NORM_FWD_TEAM (the most threads of a forward team
-past 8 values a thread), FUSEDOPS_NORM_NARROW=0 or FUSEDOPS_NORM_PARK=0 (the
-forward without fwd_narrow or fwd_park) or FUSEDOPS_NORM_SMALL_L1=0 (the
-512-wide fwd_narrow with the driver's L1 size) or FUSEDOPS_NORM_STATS_BLOCK=0
-(training's narrow forward a block a row) or FUSEDOPS_NORM_BWD_PIPE_FROM=N (16-bit
-rows of N values and up run bwd_pipe; default 2304) or FUSEDOPS_NORM_SMALL_CHUNKS=0
-(rows that allow only 4-byte or one-element access run the loop kernels, not
-the register kernels) or FUSEDOPS_NORM_BWD_CHUNKS=8 (bwd_regs at most 8
-chunks a thread, as before v28) or FUSEDOPS_NORM_FWD_WARP=0|2 (the
-forward's one-warp rows never, or wherever a warp holds the row) or
-FUSEDOPS_NORM_BWD_WARP=0 or FUSEDOPS_NORM_BWD_BLOCK=N (threads a backward
-block aims for; set, it also turns off the one- and two-value chunks' rows a
-block for the most resident warps) or FUSEDOPS_NORM_GROUP=0|2 (fwd_group never,
-or also for 8-byte rows; FUSEDOPS_NORM_GROUP_KB its shared-memory cap) or
-FUSEDOPS_NORM_GROUP_BWD=0 (no bwd_group) or FUSEDOPS_NORM_NARROW_BLOCK=1|2 (the
-256- and 512-wide forward without statistics one or two rows a block; by
-default 2 on GPUs of more than 30 GB/s of memory bandwidth an SM) or
-FUSEDOPS_NORM_LN16=0|2 (LayerNorm's forward at 2048-4096 wide 8 values a
-thread, or 16 on any GPU; by default 16 on those GPUs) to compare plans:
+--tune sets the launch plans' tuning knobs (csrc/common/tune.h: norm_values,
+norm_stages, norm_narrow, norm_park, norm_narrow_block, norm_ln16,
+norm_bwd_pipe_from, norm_group, norm_group_kb, norm_group_bwd, norm_shift,
+norm_shift_bwd) in this process, to compare plans:
 
-    FUSEDOPS_NORM_VALUES=16 python tools/probes/norm_tune.py --shapes 16384x4096,8192x8192
+    python tools/probes/norm_tune.py --tune norm_values=16 --shapes 16384x4096,8192x8192
 
 --compile adds torch.compile's forward of the reference (the suite's yardstick)
 timed the same way; with --rounds N the forwards are timed in turn N times
@@ -38,7 +21,6 @@ rstd unless --stats (as in the suite's forward rows).
 
 Not the benchmark suite (benchmarks/): no eager, no autograd."""
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -46,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import bench_norm, common  # noqa: E402
-import fusedops  # noqa: E402,F401
+import fusedops  # noqa: E402
 from fusedops import reference  # noqa: E402
 
 ops = torch.ops.fusedops
@@ -72,7 +54,12 @@ def main():
     ap.add_argument("--once", action="store_true",
                     help="run fwd (as timed: statistics only with --stats), bwd (unless --fwd-only; dx only with "
                          "--no-dwdb) and, with --compile, torch.compile's fwd once per shape, untimed (for ncu)")
+    ap.add_argument("--tune", default="",
+                    help="tuning knobs name=value,... (csrc/common/tune.h), e.g. norm_values=16,norm_park=0")
     a = ap.parse_args()
+    knobs = dict(kv.split("=") for kv in a.tune.split(",") if kv)
+    for name, value in knobs.items():
+        fusedops._C._tune(name, int(value))
     if not (a.order.startswith("o") and "c" in a.order and set(a.order) <= {"o", "c", "e"}):
         ap.error(f"--order: letters o, c and e, o first, at least one c; got {a.order!r}")
     dev = torch.device("cuda")
@@ -81,23 +68,11 @@ def main():
     if a.once:
         return once(a, dev, dt)
     ceiling = common.copy_ceiling(dev)["GB/s"]
-    tag = os.environ.get("FUSEDOPS_NORM_VALUES", "default")
+    tag = " ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
     if a.no_dwdb:
         tag += " dx-only"
     if a.stats:
         tag += " stats"
-    for var, name in (("FUSEDOPS_NORM_STAGES", "stages"), ("FUSEDOPS_NORM_FWD_TEAM", "fwd_team"),
-                      ("FUSEDOPS_NORM_NARROW", "narrow"), ("FUSEDOPS_NORM_PARK", "park"),
-                      ("FUSEDOPS_NORM_SMALL_L1", "small_l1"), ("FUSEDOPS_NORM_STATS_BLOCK", "stats_block"),
-                      ("FUSEDOPS_NORM_BWD_PIPE_FROM", "bwd_pipe_from"),
-                      ("FUSEDOPS_NORM_SMALL_CHUNKS", "small_chunks"), ("FUSEDOPS_NORM_BWD_CHUNKS", "bwd_chunks"),
-                      ("FUSEDOPS_NORM_FWD_WARP", "fwd_warp"), ("FUSEDOPS_NORM_BWD_WARP", "bwd_warp"),
-                      ("FUSEDOPS_NORM_BWD_BLOCK", "bwd_block"), ("FUSEDOPS_NORM_GROUP", "group"),
-                      ("FUSEDOPS_NORM_GROUP_KB", "group_kb"), ("FUSEDOPS_NORM_GROUP_BWD", "group_bwd"),
-                      ("FUSEDOPS_NORM_NARROW_BLOCK", "narrow_block"), ("FUSEDOPS_NORM_SHIFT", "shift"),
-                      ("FUSEDOPS_NORM_SHIFT_BWD", "shift_bwd"), ("FUSEDOPS_NORM_SHIFT_EARLY", "shift_early")):
-        if var in os.environ:
-            tag += f" {name}={os.environ[var]}"
     for shape in a.shapes.split(","):
         T, H = map(int, shape.split("x"))
         n = T * H * dt.itemsize
