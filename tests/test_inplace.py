@@ -129,7 +129,12 @@ def xent_args(device):
                 dloss=torch.rand(4, device=device), ignore_index=-100, label_smoothing=0.0, softcap=0.0)
 
 
-OP = {name: rf"fusedops\.{name}: " for name in ("rope_", "glu_bwd_", "glu_packed_bwd_", "adam_step", "xent_fwd_bwd_")}
+def linear_xent_scale_args(device):
+    return dict(grad=randn((4, 9), torch.float32, device), dloss=torch.full((), 2.0, device=device))
+
+
+OP = {name: rf"fusedops\.{name}: " for name in ("rope_", "glu_bwd_", "glu_packed_bwd_", "adam_step", "xent_fwd_bwd_",
+                                                 "linear_xent_scale_")}
 
 # (op, written argument, what, args(device), override(args, device), message)
 CASES = [
@@ -161,6 +166,10 @@ CASES = [
      OP["xent_fwd_bwd_"] + r"logits has shape \[4, 9\] and strides \[0, 1\], " + OVERLAP),
     ("xent_fwd_bwd_", "logits", "over_dloss", xent_args, lambda a, d: dict(dloss=a["logits"].view(-1)[5:9]),
      OP["xent_fwd_bwd_"] + r"logits and dloss " + SHARE),
+    ("linear_xent_scale_", "grad", "expanded", linear_xent_scale_args,
+     lambda a, d: dict(grad=a["grad"][:1].expand(4, 9)), OP["linear_xent_scale_"] + r"grad has strides \[0, 1\]"),
+    ("linear_xent_scale_", "grad", "holds_dloss", linear_xent_scale_args,
+     lambda a, d: dict(dloss=a["grad"].view(-1)[3]), OP["linear_xent_scale_"] + r"grad and dloss " + SHARE),
     ("adam_step", "params", "is_its_exp_avg", adam_args, lambda a, d: dict(exp_avgs=[a["exp_avgs"][0], a["params"][1]]),
      OP["adam_step"] + r"params\[1\] and exp_avgs\[1\] " + SHARE + r" \(params\[1\] is written in place"),
     ("adam_step", "params", "overlap_each_other", adam_args, _two("params", lambda a, d: _buffer_views(d)),
