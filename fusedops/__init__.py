@@ -1,4 +1,7 @@
 """fusedops: fused training operators for transformers, as torch.ops.fusedops.*"""
+import importlib
+import sys
+
 import torch  # noqa: F401  (first: the extension links against it)
 
 
@@ -28,6 +31,10 @@ except ImportError as _error:
 from . import ops  # noqa: F401  (fake kernels and autograd)
 from . import functional, nn, optim  # noqa: F401
 from .patch import patch, unpatch  # noqa: E402  (fusedops.patch is the function; the module is in sys.modules)
+
+# The Hugging Face integration registers into the patcher, which never imports it.
+sys.modules[__name__ + ".patch"].register_integration(
+    "transformers", lambda: importlib.import_module(__name__ + ".hf"), "Hugging Face")
 
 __version__ = "0.1.0"
 

@@ -81,14 +81,10 @@ def __getattr__(name):
     # Unpickling a patched model in a fresh process: the Fused* classes are
     # made when the tables are built, which needs transformers' entries loaded.
     if name.startswith("Fused"):
-        try:
-            from . import hf
-        except ImportError:  # no transformers
-            pass
-        else:
-            hf.replacements()
-            if name in globals():
-                return globals()[name]
+        for integration in _integrations(force=True):
+            integration.replacements()
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -148,22 +144,38 @@ def _check_args(model, flags):
             raise TypeError(f"fusedops.patch: {k} is {v!r} ({type(v).__name__}), expected True or False")
 
 
-def _hf():
-    """fusedops.hf once transformers is imported (a model of its can only exist
-    then), else None: patching a plain model never imports transformers."""
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from . import hf
-    except ImportError as e:  # a transformers too old (or broken): plain models still patch
-        if not _hf_failed:
-            _hf_failed.append(e)
-            log.warning("fusedops.patch: Hugging Face layers not patched: fusedops.hf does not import (%s)", e)
-        return None
-    return hf
+# Integrations with other libraries' models (fusedops.hf for transformers)
+# register here, so that this module never imports them: (the module whose
+# presence makes one worth loading, a function that loads it). A loaded
+# integration has replacements() -> {class: Replacement}, set_attention(model,
+# report), set_loss(model, report) and restore_attention(module).
+_INTEGRATIONS = []
+_failed = set()
 
 
-_hf_failed = []
+def register_integration(trigger, load, name):
+    """Have patch() and unpatch() use the integration load() returns once the
+    module named `trigger` is imported (a model of its can only exist then):
+    patching a plain model never imports transformers. name: for messages."""
+    _INTEGRATIONS.append((trigger, load, name))
+
+
+def _integrations(force=False):
+    """The integrations whose trigger is imported (force: every one that
+    loads); one that fails to load (a transformers too old, or broken) is
+    left out with a warning, once: plain models still patch."""
+    loaded = []
+    for trigger, load, name in _INTEGRATIONS:
+        if not force and trigger not in sys.modules:
+            continue
+        try:
+            loaded.append(load())
+        except ImportError as e:
+            if trigger not in _failed and not force:
+                _failed.add(trigger)
+                log.warning("fusedops.patch: %s layers not patched: its integration does not import (%s)",
+                            name, e)
+    return loaded
 
 
 def _looks_replaceable(module, flags):
@@ -226,8 +238,10 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
     whose projections an adapter wraps runs its original forward."""
     flags = dict(norm=norm, swiglu=swiglu, attention=attention, fuse_residual=fuse_residual, loss=loss)
     _check_args(model, flags)
-    hf = _hf()
-    table = {**REPLACEMENTS, **(hf.replacements() if hf else {})}
+    integrations = _integrations()
+    table = dict(REPLACEMENTS)
+    for integration in integrations:
+        table.update(integration.replacements())
     report = PatchReport()
     for path, module in model.named_modules():
         if _ORIGINAL in module.__dict__:  # patched before: still in the report
@@ -249,10 +263,11 @@ def patch(model, norm=True, swiglu=True, attention=True, fuse_residual=True, los
         report.replaced.append((path, *_names(old, type(module))))
     if fuse_residual:
         _link_residual_chains(model)
-    if attention and hf:
-        hf.set_attention(model, report)
-    if loss and hf:
-        hf.set_loss(model, report)
+    for integration in integrations:
+        if attention:
+            integration.set_attention(model, report)
+        if loss:
+            integration.set_loss(model, report)
     model.__dict__["fusedops_report"] = report
     log.info("%s", report)
     for path, cls, why in report.skipped:
@@ -265,13 +280,13 @@ def unpatch(model):
     attention implementation and loss function); returns the model."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fusedops.unpatch: model is a {type(model).__name__}, expected a torch.nn.Module")
-    hf = _hf()
+    integrations = _integrations()
     for module in model.modules():
         original = module.__dict__.get(_ORIGINAL)
         if original is not None:
             module.__class__ = original
-        if hf:
-            hf.restore_attention(module)
+        for integration in integrations:
+            integration.restore_attention(module)
         for k in [k for k in module.__dict__ if k.startswith(_PREFIX)]:
             del module.__dict__[k]
     model.__dict__.pop("fusedops_report", None)

@@ -127,12 +127,24 @@ def test_plain_models_patch_when_the_hf_module_does_not_import(monkeypatch, capl
     monkeypatch.setitem(sys.modules, "transformers", sys.modules.get("transformers", types.ModuleType("transformers")))
     monkeypatch.setitem(sys.modules, "fusedops.hf", None)  # import fails
     monkeypatch.delattr(fusedops, "hf", raising=False)
-    monkeypatch.setattr(patch_module, "_hf_failed", [])
+    monkeypatch.setattr(patch_module, "_failed", set())
     m = fusedops.patch(Block())
     assert type(m.ln) is fnn.LayerNorm
     assert "Hugging Face layers not patched" in caplog.text
     fusedops.unpatch(m)
     assert type(m.ln) is torch.nn.LayerNorm
+
+
+def test_the_patcher_never_imports_the_hf_integration():
+    """One-way imports: fusedops.hf registers into fusedops.patch (through
+    fusedops/__init__.py); no import in fusedops.patch names it."""
+    import ast
+    import inspect
+    import sys
+    tree = ast.parse(inspect.getsource(sys.modules["fusedops.patch"]))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [x for x in names if x == "hf" or x.endswith(".hf")], names
 
 
 def test_register_bad_flag():
