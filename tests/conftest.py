@@ -29,26 +29,18 @@ CPU_LIB.fo_cpu_set_isa.restype = ctypes.c_int
 CPU_LEVEL = CPU_LIB.fo_cpu_isa()  # the level the kernels run at (FUSEDOPS_CPU_ISA may lower it)
 
 
-# The AdamW launch-plan variants of a CUDA build (csrc/adam/adam_cuda.cu,
-# kVariants: 0 is the default plan), by name; none in a CPU-only build.
-ADAM_VARIANTS = []
-if hasattr(CPU_LIB, "fo_adam_cuda_variant_name"):
-    CPU_LIB.fo_adam_cuda_variant.argtypes = [ctypes.c_int]
-    CPU_LIB.fo_adam_cuda_variant.restype = ctypes.c_int
-    CPU_LIB.fo_adam_cuda_variant_name.argtypes = [ctypes.c_int]
-    CPU_LIB.fo_adam_cuda_variant_name.restype = ctypes.c_char_p
-    while (name := CPU_LIB.fo_adam_cuda_variant_name(len(ADAM_VARIANTS))) is not None:
-        ADAM_VARIANTS.append(name.decode())
-
-
 @contextlib.contextmanager
-def adam_variant(v):
-    """CUDA AdamW steps take launch-plan variant v inside the block."""
-    was = CPU_LIB.fo_adam_cuda_variant(v)
+def tuned(**knobs):
+    """The CUDA plans' tuning knobs (csrc/common/tune.h) set for a block, in
+    this process, and restored after it."""
+    old = {}
     try:
+        for name, value in knobs.items():
+            old[name] = fusedops._C._tune(name, value)
         yield
     finally:
-        CPU_LIB.fo_adam_cuda_variant(was)
+        for name, value in old.items():
+            fusedops._C._tune(name, value)
 
 
 @contextlib.contextmanager

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import fusedops  # noqa: F401
+import fusedops
 from fusedops import reference
 from fusedops.optim import FusedAdam, FusedAdamW
-from conftest import ADAM_VARIANTS, adam_variant, randn, requires_cuda
+from conftest import randn, requires_cuda, tuned
 from tolerances import assert_close_2x
 
 ops = torch.ops.fusedops
@@ -182,52 +182,66 @@ def test_op_cuda_matches_cpu(c):
                     assert ulps_apart(b.float(), a.float()) <= 1, f"{c} {k}[{i}]"
 
 
-# Sizes for the CUDA plan variants: enough tiles (up to 8192 elements) that a
-# persistent grid's blocks take several and look ahead across tensors, ragged
-# ends, tensors of less than a tile and empty ones between them.
-VARIANT_SHAPES = ((3 << 20) + 5, (1000, 1003), (4097,), (0,), (3,), (1 << 21,), (8191,), (2049, 7), (1 << 20,))
-VARIANT_CASES = [Case(shapes=VARIANT_SHAPES),
-                 Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES),
-                 Case(torch.bfloat16, "master", amsgrad=True, grad_scale=True, lr_tensor=True, shapes=VARIANT_SHAPES),
-                 Case(torch.float32, decoupled=False, amsgrad=True, maximize=True, shapes=VARIANT_SHAPES),
-                 Case(torch.float16, "fp32", shapes=VARIANT_SHAPES),
-                 Case(torch.bfloat16, shapes=VARIANT_SHAPES)]
+# The CUDA launch plans (csrc/adam/adam_cuda.cu, plan_for), by the value of
+# the tuning knob adam_plan that forces each: 0 is the plan the GPU gets (the
+# shared-memory ring for fp32 and master weights on SMs of an H200's
+# bandwidth, else the registers); a ring that does not fit in shared memory
+# (fp32 with amsgrad) runs the registers instead.
+ADAM_PLANS = {0: "by-gpu", 1: "regs-persistent", 2: "regs-tiles", 3: "ring"}
+
+# Sizes for the plans: enough tiles (up to 4096 elements) that a persistent
+# grid's blocks take several and look ahead across tensors, ragged ends,
+# tensors of less than a tile and empty ones between them.
+PLAN_SHAPES = ((3 << 20) + 5, (1000, 1003), (4097,), (0,), (3,), (1 << 21,), (8191,), (2049, 7), (1 << 20,))
+PLAN_CASES = [Case(shapes=PLAN_SHAPES),
+              Case(torch.bfloat16, "master", shapes=PLAN_SHAPES),
+              Case(torch.bfloat16, "master", amsgrad=True, grad_scale=True, lr_tensor=True, shapes=PLAN_SHAPES),
+              Case(torch.float32, decoupled=False, amsgrad=True, maximize=True, shapes=PLAN_SHAPES),
+              Case(torch.float16, "fp32", shapes=PLAN_SHAPES),
+              Case(torch.bfloat16, shapes=PLAN_SHAPES),
+              Case(torch.float16, amsgrad=True, grad_scale=True, shapes=PLAN_SHAPES)]
 
 
 @requires_cuda
-@pytest.mark.parametrize("c", VARIANT_CASES, ids=str)
-@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
-def test_op_cuda_variants(variant, c):
-    """Every launch plan a sweep may pick (csrc/adam/adam_cuda.cu, kVariants)
-    passes the float64 check and gives bitwise the default plan's result: the
-    plans change which thread updates an element and how it is loaded, never
-    the arithmetic. One tensor off 16-byte alignment, so that the scalar path
-    runs too."""
+@pytest.mark.parametrize("c", PLAN_CASES, ids=str)
+@pytest.mark.parametrize("plan", list(ADAM_PLANS), ids=ADAM_PLANS.get)
+def test_op_cuda_plans(plan, c):
+    """Every launch plan passes the float64 check and gives bitwise the
+    register plan's result: the plans change which thread updates an element
+    and how it is loaded, never the arithmetic. One tensor off 16-byte
+    alignment, so that the scalar path runs too."""
     inp = op_inputs(c, "cuda")
-    with adam_variant(0):
+    with tuned(adam_plan=1):
         want = run_op(c, inp, misalign=2)
-    with adam_variant(variant):
+    with tuned(adam_plan=plan):
         got = run_op(c, inp, misalign=2)
-    assert got["params"][2].data_ptr() % 16 and got["params"][1].data_ptr() % 16 == 0
-    for k, outs in want.items():
-        if isinstance(outs, list):
-            for i, (a, b) in enumerate(zip(outs, got[k])):
-                assert same_bits(a, b), f"variant {ADAM_VARIANTS[variant]}: {c} {k}[{i}] differs from the default plan"
-    with adam_variant(variant):
+        assert got["params"][2].data_ptr() % 16 and got["params"][1].data_ptr() % 16 == 0
+        for k, outs in want.items():
+            if isinstance(outs, list):
+                for i, (a, b) in enumerate(zip(outs, got[k])):
+                    assert same_bits(a, b), f"plan {ADAM_PLANS[plan]}: {c} {k}[{i}] differs from the registers'"
         check_op(c, "cuda")
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)), ids=lambda v: ADAM_VARIANTS[v])
-def test_op_cuda_variants_found_inf(variant):
+@pytest.mark.parametrize("master", [False, True], ids=["fp32", "bf16_master"])
+@pytest.mark.parametrize("plan", list(ADAM_PLANS), ids=ADAM_PLANS.get)
+def test_op_cuda_plans_found_inf(plan, master):
     """found_inf != 0 leaves everything unchanged under every plan."""
-    c = Case(torch.bfloat16, "master", shapes=VARIANT_SHAPES[:3])
+    c = Case(torch.bfloat16, "master", shapes=PLAN_SHAPES[:3]) if master else Case(shapes=PLAN_SHAPES[:3])
     inp = op_inputs(c, "cuda")
-    with adam_variant(variant):
+    with tuned(adam_plan=plan):
         got = run_op(c, inp, found_inf=torch.tensor(1.0, device="cuda"))
     for k, v in got.items():
         if isinstance(v, list):
             assert all(same_bits(a, b) for a, b in zip(v, inp[k])), k
+
+
+def test_adam_plan_knob_range():
+    """adam_plan takes 0 (by the GPU) to 3 and rejects the rest."""
+    assert fusedops._C._tune()["adam_plan"] == (0, 0, 3, 0)
+    with pytest.raises(ValueError, match="adam_plan=4 is outside its range"):
+        fusedops._C._tune("adam_plan", 4)
 
 
 @pytest.mark.parametrize("dtype,state", [(torch.float32, "param"), (torch.bfloat16, "master"),

@@ -5,7 +5,6 @@ fusedops.nn.LayerNorm / RMSNorm.
 Every output and gradient is checked against fusedops.reference.add_norm run in
 float64 by the 2x rule (tests/tolerances.py), with reference.add_norm run on the
 low-precision inputs on the same device as the yardstick."""
-import contextlib
 import copy
 import itertools
 import math
@@ -16,7 +15,7 @@ import torch
 
 import fusedops
 from fusedops import functional as FF, reference
-from conftest import bits, maybe_poisoned, poisoned, raises_unchanged, randn, requires_cuda
+from conftest import bits, maybe_poisoned, poisoned, raises_unchanged, randn, requires_cuda, tuned
 from tolerances import assert_close_2x, default_scale
 
 ops = torch.ops.fusedops
@@ -565,20 +564,6 @@ def test_streaming_stores_cpu(env):
     _tests_with_env(env, "cpu and (test_dtypes or test_shapes or test_noncontiguous or test_s_is_eager_sum or "
                          "test_poisoned_outputs or test_deterministic or test_raw_forward_outputs or "
                          "test_large_mean or test_narrow_rows or test_half_aligned or test_small_chunk)")
-
-
-@contextlib.contextmanager
-def tuned(**knobs):
-    """The CUDA plans' tuning knobs (csrc/common/tune.h) set for a block, in
-    this process, and restored after it."""
-    old = {}
-    try:
-        for name, value in knobs.items():
-            old[name] = fusedops._C._tune(name, value)
-        yield
-    finally:
-        for name, value in old.items():
-            fusedops._C._tune(name, value)
 
 
 def _cuda_calls(*groups):

@@ -10,26 +10,27 @@
  *   adam_kernel  a grid over every tensor of the launch at once: the tensors
  *                are cut into tiles of kThreads x per elements (the last tile
  *                of a tensor may be short), and a block walks its tiles
- *                (Walk: strided, one block a tile, or a contiguous run) in
- *                increasing order with a cursor over the tensor table, so it
- *                finds each tile's tensor in O(1) and recomputes the
+ *                (every grid-th tile: a persistent grid, or one block a
+ *                tile) in increasing order with a cursor over the tensor
+ *                table, so it finds each tile's tensor in O(1) and
+ *                recomputes the
  *                per-tensor scalars (bias corrections from the step count on
  *                the device, lr from the device when given) only when the
  *                tensor changes. Each thread updates `per` elements a tile
  *                with 16-byte accesses (fp32 arrays of a 16-bit group as
  *                32-byte packs), either from registers (all a tile's loads
- *                issued before any store) or, in the staged shapes, from
- *                shared memory that cp.async (each thread its own elements)
- *                or the copy engine (cp.async.bulk, a tile of an array an
- *                instruction, sm_90) fills several tiles ahead;
+ *                issued before any store) or, in the ring shape, from a ring
+ *                of tiles in shared memory that cp.async (each thread its
+ *                own elements) fills several tiles ahead;
  *                tensors whose pointers are not all 16-byte aligned, and the
  *                ragged end of a tensor, take a scalar path.
  *   adam_count   steps[i] += 1 for the tensors of the launch, after adam_kernel
  *                (which reads the old count and uses count + 1), so no block
  *                ever sees another's increment. Neither kernel does anything
  *                when *found_inf != 0.
- * The launch plan (shape, walk, blocks an SM) is the default plan or a
- * variant picked in-process (kVariants, fo_adam_cuda_variant) for sweeps.
+ * The launch plan (plan_for: the shape, and a persistent grid or one block a
+ * tile) is computed from the dtypes and the GPU; the tuning knob adam_plan
+ * (common/tune.h) forces one, for tests and probes.
  * The tensor table travels as a kernel argument (within the 4 KB every
  * architecture takes): up to kMaxTensors tensors a launch, more tensors mean a
  * few launches. No device allocation, no host sync: CUDA-graph capturable.
@@ -40,6 +41,7 @@
 
 #include "adam.h"
 #include "../common/cuda_utils.cuh"
+#include "../common/tune.h"
 
 namespace {
 using namespace fo;
@@ -59,99 +61,54 @@ struct Table {
   float *step[kMaxTensors];
   bool vec[kMaxTensors];  // every pointer of the tensor 16-byte aligned
 };
-// The whole argument list (the table, the hyperparameters, the tile count and
-// the walk) must stay within the 4 KB kernel-parameter limit of every
-// architecture we build for.
+// The whole argument list (the table, the hyperparameters and the tile count)
+// must stay within the 4 KB kernel-parameter limit of every architecture we
+// build for.
 static_assert(sizeof(Table) + sizeof(fo_adam_params) + 16 <= 4096, "kernel arguments over 4 KB");
 
-// ---------------------------------------------------------------- the plan's parts
+// ---------------------------------------------------------------- the plan
 // A kernel's compile-time shape. per: elements a thread updates a tile.
 // stages 0: the tile's loads into registers, then its update and stores (the
 // next tile's loads wait for this tile's stores to be issued). stages S > 0:
-// a block keeps S tiles in flight through shared memory, each thread copying
-// its own elements by cp.async S - 1 tiles ahead of the one it updates, so
-// that loads stay in flight through the update and the stores (no barrier:
-// a thread reads back only what it copied). cs: streaming cache hints (loads
-// evict-first in L2 and not kept in L1, .cs stores): the step touches each
-// byte once. bulk (sm_90 and up): the staged tiles are copied by the copy
-// engine instead, one cp.async.bulk an array a tile issued by one thread and
-// completing on the stage's mbarrier; the block meets at a barrier before a
-// stage is refilled.
+// a block keeps S tiles in flight through a ring in shared memory, each
+// thread copying its own elements by cp.async S - 1 tiles ahead of the one it
+// updates, so that loads stay in flight through the update and the stores
+// (no barrier: a thread reads back only what it copied).
 struct Shape {
   int per, stages;
-  bool cs, bulk;
 };
-constexpr Shape kShapes[] = {
-    {16, 0, false, false}, {32, 0, false, false}, {16, 0, true, false}, {32, 0, true, false},  // registers
-    {8, 2, false, false},  {8, 3, false, false},  {8, 4, false, false},  {8, 4, true, false},
-    {8, 6, false, false},  // cp.async
-    {8, 3, false, true},   {8, 4, false, true},   {8, 6, false, true},   {16, 3, false, true},  // bulk
-};
+constexpr Shape kShapes[] = {{16, 0}, {8, 6}};
 constexpr int kNumShapes = sizeof(kShapes) / sizeof(kShapes[0]);
-constexpr int kRegs16 = 0, kRegs32 = 1;
+constexpr int kRegs = 0, kRing = 1;
 
-// Which tiles a block takes, of `tiles` in the launch (the tensors' tiles in
-// table order). kStrided: tile k to block k % grid, a persistent grid, so the
-// blocks sweep memory side by side. kTiles: one block a tile (grid = tiles),
-// handed out in order by the hardware as blocks finish. kChunks: a persistent
-// grid where block b takes the b-th of `grid` contiguous runs of tiles.
-enum Walk : int { kStrided = 0, kTiles = 1, kChunks = 2 };
-
-// A launch plan: the kernel's shape, the walk, and blocks an SM (0: as many
-// as fit, from the occupancy calculator; else at most that many).
+// A launch plan: the kernel's shape, and its grid: persistent (as many blocks
+// as fit on the GPU at once, each taking every grid-th tile, so the blocks
+// sweep memory side by side) or one block a tile (the hardware hands tiles
+// out in order as blocks finish).
 struct Plan {
-  int shape, walk, blocks_per_sm;
+  int shape;
+  bool persistent;
 };
 
-// The plans a sweep may pick between (tools/probes/adam_variants.py runs
-// each), by index; 0 is the default plan (default_plan). The one place the
-// selection lives: `variant` (fo_adam_cuda_variant sets it).
-struct Variant {
-  const char *name;
-  Plan plan;
-};
-constexpr Variant kVariants[] = {
-    {"default", {-1, 0, 0}},
-    {"regs16-strided", {0, kStrided, 0}},
-    {"regs32-strided", {1, kStrided, 0}},
-    {"regs16-tiles", {0, kTiles, 0}},
-    {"regs16-chunks", {0, kChunks, 0}},
-    {"regs32-chunks", {1, kChunks, 0}},
-    {"regs16-strided-1sm", {0, kStrided, 1}},
-    {"regs16cs-strided", {2, kStrided, 0}},
-    {"regs32cs-strided", {3, kStrided, 0}},
-    {"smem8x2-strided", {4, kStrided, 0}},
-    {"smem8x3-strided", {5, kStrided, 0}},
-    {"smem8x3-strided-1sm", {5, kStrided, 1}},
-    {"smem8x3-chunks", {5, kChunks, 0}},
-    {"smem8x4-strided", {6, kStrided, 0}},
-    {"smem8x4-chunks", {6, kChunks, 0}},
-    {"smem8x4cs-strided", {7, kStrided, 0}},
-    {"smem8x6-strided", {8, kStrided, 0}},
-    {"bulk8x3-strided", {9, kStrided, 0}},
-    {"bulk8x4-strided", {10, kStrided, 0}},
-    {"bulk8x4-chunks", {10, kChunks, 0}},
-    {"bulk8x6-strided", {11, kStrided, 0}},
-    {"bulk16x3-strided", {12, kStrided, 0}},
-};
-constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-int variant = 0;
-
-// Today's plan: fp32 params (no master copy) on SMs of more bandwidth each
-// than an H100's (bandwidth_rich_sms) take the persistent grid with 32
-// elements a thread; fp32 elsewhere one block a tile, 16 a thread (the
-// hardware hands tiles out in order as blocks finish); 16-bit groups and
-// master weights the persistent grid, 16 a thread, since one block a tile
-// repeats a block's table walk and coefficients every tile. Figures:
+// fp32 params, and 16-bit ones with an fp32 master copy, on SMs of more
+// bandwidth each than an H100's (bandwidth_rich_sms) take the ring, which
+// keeps loads in flight through the update and the stores (the register
+// shape's next loads wait behind its stores). Elsewhere the registers:
+// fp32 one block a tile; 16-bit groups the persistent grid, since one block
+// a tile repeats a block's table walk and coefficients every tile. The knob
+// adam_plan (common/tune.h) forces a plan: 1 registers on the persistent
+// grid, 2 registers one block a tile, 3 the ring. Where the ring cannot be
+// used, fo_adam_cuda takes the registers on the same grid. Figures:
 // docs/perf/adam.md.
-Plan default_plan(bool f32, int device) {
-  if (f32) return bandwidth_rich_sms(device) ? Plan{kRegs32, kStrided, 0} : Plan{kRegs16, kTiles, 0};
-  return Plan{kRegs16, kStrided, 0};
-}
-
-Plan plan_for(bool f32, int device) {
-  const int v = variant;
-  return v > 0 && v < kNumVariants ? kVariants[v].plan : default_plan(f32, device);
+Plan plan_for(bool f32, bool master, int device) {
+  switch (fo_tuning.adam_plan) {
+    case 1: return Plan{kRegs, true};
+    case 2: return Plan{kRegs, false};
+    case 3: return Plan{kRing, true};
+    default: break;
+  }
+  if ((f32 || master) && bandwidth_rich_sms(device)) return Plan{kRing, true};
+  return Plan{kRegs, !f32};
 }
 
 // ---------------------------------------------------------------- device code
@@ -173,16 +130,6 @@ struct Cursor {
     }
   }
 };
-
-// A block's tiles: first, first + step, ... below end.
-struct Range {
-  int64_t first, step, end;
-};
-__device__ __forceinline__ Range block_tiles(int64_t tiles, int walk) {
-  if (walk == kChunks)
-    return {tiles * blockIdx.x / gridDim.x, 1, tiles * (blockIdx.x + 1) / gridDim.x};
-  return {(int64_t)blockIdx.x, (int64_t)gridDim.x, tiles};
-}
 
 // Per-tensor scalars, from the step count on the device and lr.
 __device__ __forceinline__ fo_adam_coef coef_of(const Table &t, int i, const fo_adam_params &a, double lr,
@@ -225,28 +172,27 @@ constexpr int vec_of() {
 // The update of VEC elements in registers, then their stores (in the order
 // they were read: p, m, v, vmax; with a master copy the master before the
 // rounded param).
-template <class P, class S, bool MASTER, bool CS, int VEC>
+template <class P, class S, bool MASTER, int VEC>
 __device__ __forceinline__ void update_store(const Table &t, int i, int64_t e, const fo_adam_coef &c,
                                              float (&p)[VEC], const float (&g)[VEC], float (&m)[VEC],
                                              float (&v)[VEC], float (&x)[VEC]) {
 #pragma unroll
   for (int k = 0; k < VEC; ++k) fo_adam_update(&c, &p[k], g[k], &m[k], &v[k], &x[k]);
-  if (MASTER) store_f<VEC, true, CS>(t.master[i] + e, p);
-  store_f<VEC, true, CS>(at<P>(t.p[i], e), p);
-  store_f<VEC, true, CS>(at<S>(t.m[i], e), m);
-  store_f<VEC, true, CS>(at<S>(t.v[i], e), v);
-  if (c.amsgrad) store_f<VEC, true, CS>(at<S>(t.vmax[i], e), x);
+  if (MASTER) store_f<VEC>(t.master[i] + e, p);
+  store_f<VEC>(at<P>(t.p[i], e), p);
+  store_f<VEC>(at<S>(t.m[i], e), m);
+  store_f<VEC>(at<S>(t.v[i], e), v);
+  if (c.amsgrad) store_f<VEC>(at<S>(t.vmax[i], e), x);
 }
 
 // One tile of tensor i from registers: elements [base, base + tile) (fewer
 // at its end), all loads issued before any update or store. P: param dtype;
 // S: state dtype; MASTER: an fp32 master copy is the param's value, the param
 // is only written.
-template <class P, class S, bool MASTER, int PER, bool CS>
+template <class P, class S, bool MASTER, int PER>
 __device__ __forceinline__ void update_tile(const Table &t, int i, int64_t base, const fo_adam_coef &c) {
   constexpr int VEC = vec_of<P, S>();
   constexpr int U = PER / VEC;
-  constexpr int LC = CS ? kStream : kPlain, GC = CS ? kStreamRO : kReadOnly;
   constexpr int64_t kTile = (int64_t)kThreads * PER;
   auto first = [&](int u) { return base + ((int64_t)u * kThreads + threadIdx.x) * VEC; };
   if (!(t.vec[i] && base + kTile <= t.numel[i])) return update_scalar<P, S, MASTER, VEC, U>(t, i, base, c);
@@ -254,15 +200,15 @@ __device__ __forceinline__ void update_tile(const Table &t, int i, int64_t base,
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // loads only
     const int64_t e = first(u);
-    if (MASTER) load_f<VEC, LC>(t.master[i] + e, p[u]);
-    else load_f<VEC, LC>(at<P>(t.p[i], e), p[u]);
-    load_f<VEC, GC>(static_cast<const P *>(t.g[i]) + e, g[u]);
-    load_f<VEC, LC>(at<S>(t.m[i], e), m[u]);
-    load_f<VEC, LC>(at<S>(t.v[i], e), v[u]);
-    if (c.amsgrad) load_f<VEC, LC>(at<S>(t.vmax[i], e), x[u]);
+    if (MASTER) load_f<VEC>(t.master[i] + e, p[u]);
+    else load_f<VEC>(at<P>(t.p[i], e), p[u]);
+    load_f<VEC, kReadOnly>(static_cast<const P *>(t.g[i]) + e, g[u]);
+    load_f<VEC>(at<S>(t.m[i], e), m[u]);
+    load_f<VEC>(at<S>(t.v[i], e), v[u]);
+    if (c.amsgrad) load_f<VEC>(at<S>(t.vmax[i], e), x[u]);
   }
 #pragma unroll
-  for (int u = 0; u < U; ++u) update_store<P, S, MASTER, CS>(t, i, first(u), c, p[u], g[u], m[u], v[u], x[u]);
+  for (int u = 0; u < U; ++u) update_store<P, S, MASTER>(t, i, first(u), c, p[u], g[u], m[u], v[u], x[u]);
 }
 
 // Shared memory of one stage of a staged kernel: a tile of each array read
@@ -274,27 +220,24 @@ __host__ __device__ constexpr int64_t stage_bytes(int per, bool ams) {
          ((MASTER ? 4 : (int64_t)sizeof(P)) + (int64_t)sizeof(P) + (2 + (ams ? 1 : 0)) * (int64_t)sizeof(S));
 }
 
-// Bulk shapes ask for one block an SM at least (no register cap below 255):
-// ptxas otherwise held one of them to 64 registers and spilled; the others
-// keep the compiler's choice (0: none asked).
+// Tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the launch's `tiles`.
 template <class P, class S, bool MASTER, int SH>
-__global__ void __launch_bounds__(kThreads, kShapes[SH].bulk ? 1 : 0)
-    adam_kernel(const Table t, const fo_adam_params a, int64_t tiles, int walk) {
+__global__ void __launch_bounds__(kThreads) adam_kernel(const Table t, const fo_adam_params a, int64_t tiles) {
   constexpr Shape sh = kShapes[SH];
   constexpr int PER = sh.per, STAGES = sh.stages;
   constexpr int64_t kTile = (int64_t)kThreads * PER;
   if (a.found_inf && *a.found_inf != 0.f) return;
   const double lr = a.lr_ptr ? (double)*a.lr_ptr : a.lr;
   const float scale = a.grad_scale ? *a.grad_scale : 1.f;
-  const Range r = block_tiles(tiles, walk);
+  const int64_t first = blockIdx.x, step = gridDim.x;
   Cursor cur;
   int ci = -1;  // the tensor whose scalars c holds
   fo_adam_coef c;
   if constexpr (STAGES == 0) {
-    for (int64_t tile = r.first; tile < r.end; tile += r.step) {
+    for (int64_t tile = first; tile < tiles; tile += step) {
       cur.seek(t, tile, kTile);
       if (cur.i != ci) c = coef_of(t, ci = cur.i, a, lr, scale);
-      update_tile<P, S, MASTER, PER, sh.cs>(t, cur.i, (tile - cur.lo) * kTile, c);
+      update_tile<P, S, MASTER, PER>(t, cur.i, (tile - cur.lo) * kTile, c);
     }
   } else {
     constexpr int VEC = vec_of<P, S>(), U = PER / VEC;
@@ -310,42 +253,16 @@ __global__ void __launch_bounds__(kThreads, kShapes[SH].bulk ? 1 : 0)
     auto slot = [&](int u, int size) { return ((int64_t)u * kThreads + threadIdx.x) * VEC * size; };
     auto full = [&](int i, int64_t base) { return t.vec[i] && base + kTile <= t.numel[i]; };
     Cursor ahead;
-    __shared__ uint64_t landed[kShapes[SH].bulk ? STAGES : 1];  // bulk: stage s's copies have landed
-    if constexpr (kShapes[SH].bulk) {
-      if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(&landed[s], 1);
-        mbar_init_fence();
-      }
-      __syncthreads();
-    }
-    // Tile `tile` (or none, past the block's end) into stage s. cp.async:
-    // each thread copies its own slots, and commits one group either way, so
-    // that group k is always the block's k-th tile. bulk: thread 0 copies the
-    // tile of each array and completes the stage's phase (with no bytes for
-    // a tile the scalar path takes), once for each of the block's tiles.
+    // Tile `tile` (or none, past the block's end) into stage s: each thread
+    // copies its own slots, and commits one group either way, so that group
+    // k is always the block's k-th tile.
     auto issue = [&](int64_t tile, int s) {
-      const bool mine = tile < r.end;
-      int i = 0;
-      int64_t base = 0;
-      if (mine) {
+      if (tile < tiles) {
         ahead.seek(t, tile, kTile);
-        i = ahead.i;
-        base = (tile - ahead.lo) * kTile;
-      }
-      char *st = smem + s * stage;
-      if constexpr (kShapes[SH].bulk) {
-        if (threadIdx.x != 0 || !mine) return;
-        if (!full(i, base)) return mbar_arrive(&landed[s]);
-        fence_proxy_async_smem();  // the block's reads of the stage before the copy engine's writes
-        mbar_arrive_expect_tx(&landed[s], (uint32_t)stage);
-        const void *pl = MASTER ? (const void *)(t.master[i] + base) : (const void *)at<P>(t.p[i], base);
-        bulk_load(st, pl, kTile * sizeof(PL), &landed[s]);
-        bulk_load(st + off_g, static_cast<const P *>(t.g[i]) + base, kTile * sizeof(P), &landed[s]);
-        bulk_load(st + off_m, at<S>(t.m[i], base), kTile * sizeof(S), &landed[s]);
-        bulk_load(st + off_v, at<S>(t.v[i], base), kTile * sizeof(S), &landed[s]);
-        if (ams) bulk_load(st + off_x, at<S>(t.vmax[i], base), kTile * sizeof(S), &landed[s]);
-      } else {
-        if (mine && full(i, base)) {
+        const int i = ahead.i;
+        const int64_t base = (tile - ahead.lo) * kTile;
+        char *st = smem + s * stage;
+        if (full(i, base)) {
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int64_t e = base + ((int64_t)u * kThreads + threadIdx.x) * VEC;
@@ -357,23 +274,20 @@ __global__ void __launch_bounds__(kThreads, kShapes[SH].bulk ? 1 : 0)
             if (ams) cp_async_bytes<VEC * sizeof(S)>(st + off_x + slot(u, sizeof(S)), at<S>(t.vmax[i], e));
           }
         }
-        cp_async_commit();
       }
+      cp_async_commit();
     };
-    int64_t next = r.first;
+    int64_t next = first;
 #pragma unroll 1
-    for (int s = 0; s < STAGES - 1; ++s, next += r.step) issue(next, s);
+    for (int s = 0; s < STAGES - 1; ++s, next += step) issue(next, s);
     int j = 0;
 #pragma unroll 1
-    for (int64_t tile = r.first; tile < r.end; tile += r.step, next += r.step, ++j) {
-      // Stage (j - 1) % STAGES takes the tile STAGES - 1 ahead. cp.async:
-      // this thread read its part of that stage in the previous iteration,
-      // and those values were used (stored) before this point. bulk: every
-      // thread's reads of it come before the barrier.
-      if constexpr (kShapes[SH].bulk) __syncthreads();
+    for (int64_t tile = first; tile < tiles; tile += step, next += step, ++j) {
+      // Stage (j - 1) % STAGES takes the tile STAGES - 1 ahead: this thread
+      // read its part of that stage in the previous iteration, and those
+      // values were used (stored) before this point.
       issue(next, (j + STAGES - 1) % STAGES);
-      if constexpr (kShapes[SH].bulk) mbar_wait(&landed[j % STAGES], (uint32_t)(j / STAGES) & 1u);
-      else cp_async_wait<STAGES - 1>();  // this tile's group has landed
+      cp_async_wait<STAGES - 1>();  // this tile's group has landed
       cur.seek(t, tile, kTile);
       const int i = cur.i;
       if (i != ci) c = coef_of(t, ci = i, a, lr, scale);
@@ -392,10 +306,10 @@ __global__ void __launch_bounds__(kThreads, kShapes[SH].bulk ? 1 : 0)
         load_f<VEC>(reinterpret_cast<const S *>(st + off_v + slot(u, sizeof(S))), v);
         if (ams) load_f<VEC>(reinterpret_cast<const S *>(st + off_x + slot(u, sizeof(S))), x);
         const int64_t e = base + ((int64_t)u * kThreads + threadIdx.x) * VEC;
-        update_store<P, S, MASTER, sh.cs>(t, i, e, c, p, g, m, v, x);
+        update_store<P, S, MASTER>(t, i, e, c, p, g, m, v, x);
       }
     }
-    if constexpr (!kShapes[SH].bulk) cp_async_wait<0>();
+    cp_async_wait<0>();
   }
 }
 
@@ -404,10 +318,10 @@ __global__ void adam_count(const Table t, const float *found_inf) {
   for (int i = threadIdx.x; i < t.n; i += blockDim.x) *t.step[i] += 1.f;
 }
 
-using Kernel = void (*)(const Table, const fo_adam_params, int64_t, int);
+using Kernel = void (*)(const Table, const fo_adam_params, int64_t);
 
 // The kernel of shape SH for the group's dtypes, and its shared memory a
-// block (0 for register shapes).
+// block (0 for the register shape).
 struct Pick {
   Kernel kernel;
   int64_t smem;
@@ -435,45 +349,27 @@ Pick pick(int shape, fo_dtype param, fo_dtype state, bool master, bool ams, std:
 
 }  // namespace
 
-// The plan every later fo_adam_cuda call in this process takes: kVariants[v]
-// (0: the default plan). Returns the index in force before, and leaves it
-// unchanged for v < 0 or past the table. For sweeps and tests, through ctypes
-// (tools/probes/adam_variants.py, tests/test_adam.py); not thread-safe
-// against concurrent steps.
-extern "C" int fo_adam_cuda_variant(int v) {
-  const int was = variant;
-  if (v >= 0 && v < kNumVariants) variant = v;
-  return was;
-}
-
-// The name of variant v, or NULL past the table.
-extern "C" const char *fo_adam_cuda_variant_name(int v) {
-  return v >= 0 && v < kNumVariants ? kVariants[v].name : nullptr;
-}
-
 extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const bool master = a->masters != nullptr;
   const bool f32 = a->param_dtype == FO_F32 && !master;
   const int device = current_device();
-  const Plan plan = plan_for(f32, device);
+  const Plan plan = plan_for(f32, master, device);
   const auto shapes = std::make_integer_sequence<int, kNumShapes>{};
   Pick k = pick(plan.shape, a->param_dtype, a->state_dtype, master, a->amsgrad, shapes);
   int shape = plan.shape;
-  // A staged shape too large here (amsgrad adds a tile), or the copy engine's
-  // bulk copies below sm_90: the register shape instead.
-  if (k.smem > smem_optin(device) || (kShapes[shape].bulk && compute_capability(device) < 90)) {
-    shape = kRegs16;
+  // A ring too large for this GPU's shared memory (amsgrad adds an array to
+  // each stage): the register shape instead, on the same grid.
+  if (k.smem > smem_optin(device)) {
+    shape = kRegs;
     k = pick(shape, a->param_dtype, a->state_dtype, master, a->amsgrad, shapes);
   }
   if (k.smem > 48 * 1024 &&
       cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k.smem) != cudaSuccess)
     return last_error();
   const int64_t tile_elems = (int64_t)kThreads * kShapes[shape].per;
-  const int fit = blocks_per_sm(k.kernel, kThreads, (size_t)k.smem);
-  const int per_sm = plan.blocks_per_sm > 0 && plan.blocks_per_sm < fit ? plan.blocks_per_sm : fit;
-  const int64_t grid_cap = plan.walk == kTiles && kShapes[shape].stages == 0 ? INT32_MAX
-                                                                              : (int64_t)sm_count(device) * per_sm;
+  const int64_t grid_cap =
+      plan.persistent ? (int64_t)sm_count(device) * blocks_per_sm(k.kernel, kThreads, (size_t)k.smem) : INT32_MAX;
   for (int64_t i0 = 0; i0 < a->ntensors; i0 += kMaxTensors) {
     Table t{};
     t.n = (int)(a->ntensors - i0 < kMaxTensors ? a->ntensors - i0 : kMaxTensors);
@@ -494,7 +390,7 @@ extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
     }
     if (tiles > 0) {
       const int grid = (int)(tiles < grid_cap ? tiles : grid_cap);
-      k.kernel<<<grid, kThreads, (size_t)k.smem, stream>>>(t, *a, tiles, plan.walk);
+      k.kernel<<<grid, kThreads, (size_t)k.smem, stream>>>(t, *a, tiles);
     }
     adam_count<<<1, 64, 0, stream>>>(t, a->found_inf);
   }

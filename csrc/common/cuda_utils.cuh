@@ -40,39 +40,21 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
 //   kReadOnly  the read-only (non-coherent) path;
 //   kKeep      evict_last in L1 and L2, so that a small array read by every
 //              row (a norm's weight) stays in L1 while the rows stream
-//              through it (how Triton loads such arrays);
-//   kStream    no L1 allocation, evict_first in L2: data read once, by a
-//              kernel that may write the same array;
-//   kStreamRO  kStream on the read-only path (arrays never written).
-enum Cache : int { kPlain = 0, kReadOnly = 1, kKeep = 2, kStream = 3, kStreamRO = 4 };
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// A load with an L2 policy made by createpolicy (sm_80 and up); NC: the
-// read-only (non-coherent) path.
-template <bool kEvictFirst, bool kNC>
-__device__ __forceinline__ uint4 load16_policy(const uint4 *p) {
-  uint4 v;
-  uint64_t policy;
-  if constexpr (kEvictFirst) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  else asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  if constexpr (kNC)
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.b32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-  else if constexpr (kEvictFirst)
-    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.b32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy) : "memory");
-  else
-    asm("ld.global.L1::evict_last.L2::cache_hint.v4.b32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-  return v;
-}
-#endif
+//              through it (how Triton loads such arrays).
+enum Cache : int { kPlain = 0, kReadOnly = 1, kKeep = 2 };
 template <int kCache>
 __device__ __forceinline__ uint4 load16(const uint4 *p) {
-  if constexpr (kCache == kKeep || kCache == kStream || kCache == kStreamRO) {
+  if constexpr (kCache == kKeep) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    return kCache == kStream ? *p : __ldg(p);  // no cache policies before sm_80
+    return __ldg(p);  // no cache policies before sm_80
 #else
-    return load16_policy<kCache != kKeep, kCache == kStreamRO>(p);
+    uint4 v;
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm("ld.global.L1::evict_last.L2::cache_hint.v4.b32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+    return v;
 #endif
   } else if constexpr (kCache == kReadOnly) {
     return __ldg(p);
@@ -129,16 +111,9 @@ __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
 // PTX, with a memory clobber so that the compiler orders it as it ordered the
 // assignment. (Not __stwb: ptxas makes its st.global.wb a strong store,
 // STG.E.128.STRONG.SM, and it measured up to 1 % slower.)
-// kCs: st.global.cs, the streaming (evict-first) store, for data that no
-// kernel reads again soon.
-template <bool kCs = false>
 __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
-  if constexpr (kCs)
-    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-  else
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // A pack stored to global memory (with kPtx, global only: st.global). With
@@ -149,14 +124,13 @@ __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
 // quarter to all of swiglu's backward (docs/perf-notes.md, v15). !kPtx keeps
 // the assignment, for the kernels where the inline PTX measured slower or
 // spilled; tools/ci/ptx_stores.py (CI) names any split store left.
-// kCs (packs of 16 bytes or more): streaming stores (store16).
-template <int N, bool kPtx = true, bool kCs = false, class T>
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &pk) {
   if constexpr (sizeof(pk) % 16 == 0) {
 #pragma unroll
     for (int j = 0; j < (int)(sizeof(pk) / 16); ++j) {
       const uint4 v = reinterpret_cast<const uint4 *>(&pk)[j];
-      if constexpr (kPtx) store16<kCs>(reinterpret_cast<uint4 *>(p) + j, v);
+      if constexpr (kPtx) store16(reinterpret_cast<uint4 *>(p) + j, v);
       else reinterpret_cast<uint4 *>(p)[j] = v;
     }
   } else if constexpr (kPtx && sizeof(pk) == 8) {
@@ -242,9 +216,9 @@ __device__ __forceinline__ Pack<T, N> add_pack(const Pack<T, N> &a, const Pack<T
   return out;
 }
 
-template <int N, bool kPtx = true, bool kCs = false, class T>
+template <int N, bool kPtx = true, class T>
 __device__ __forceinline__ void store_f(T *p, const float (&in)[N]) {
-  store_pack<N, kPtx, kCs>(p, to_pack<T>(in));
+  store_pack<N, kPtx>(p, to_pack<T>(in));
 }
 
 // Stores v as T and leaves in v what was stored (the values rounded to T):
@@ -366,49 +340,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
   while (!done)
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// Makes the mbarrier inits of this thread visible to the copy engine and to
-// the other threads (before a barrier) (sm_90 and up).
-__device__ __forceinline__ void mbar_init_fence() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-// Orders this thread's (and, after a barrier, the block's) generic-proxy
-// accesses of shared memory before later async-proxy ones (bulk copies into
-// it) (sm_90 and up).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-// One arrival on bar that also expects `bytes` more of asynchronous copies
-// (cp.async.bulk) before its phase completes (sm_90 and up).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) global ->
-// shared by the copy engine (TMA, one instruction), completing on bar as
-// transaction bytes (sm_90 and up).
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 #else
   __trap();
 #endif

@@ -27,7 +27,10 @@ extern "C" {
   X(norm_shift_bwd, 0, 2, 1)        /* bwd_shift: 1 by its rule, 0 never, 2 any width */   \
   /* swiglu (swiglu_cuda.cu): 16-byte vectors a thread, forward and backward */           \
   X(glu_fwd_vectors, 1, 4, 1)                                                              \
-  X(glu_bwd_vectors, 1, 4, 2)
+  X(glu_bwd_vectors, 1, 4, 2)                                                              \
+  /* adam (adam_cuda.cu, plan_for): 0 by the GPU; 1 registers, persistent grid; */         \
+  /* 2 registers, one block a tile; 3 the shared-memory ring */                            \
+  X(adam_plan, 0, 3, 0)
 
 #define FO_TUNE_FIELD(name, lo, hi, dflt) int name;
 typedef struct fo_tune {

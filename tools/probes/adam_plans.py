@@ -1,17 +1,19 @@
-"""Every AdamW launch-plan variant (csrc/adam/adam_cuda.cu, kVariants) timed
-in one process on the benchmark's GPU parameter list (1.21 B parameters in 54
-Llama-shaped tensors, 28 bytes a parameter), fp32 and bf16 with fp32 master
-weights, beside torch's copy_ of a same-size fp32 buffer (8 bytes an element)
-and torch.optim.AdamW(fused=True) (fp32) measured in the same rounds.
+"""The AdamW launch plans (csrc/adam/adam_cuda.cu, plan_for; forced by the
+tuning knob adam_plan of csrc/common/tune.h: 0 the plan this GPU gets, 1
+registers on a persistent grid, 2 registers one block a tile, 3 the
+shared-memory ring) timed in one process on the benchmark's GPU parameter list
+(1.21 B parameters in 54 Llama-shaped tensors, 28 bytes a parameter), fp32
+and bf16 with fp32 master weights, beside torch's copy_ of a same-size fp32
+buffer (8 bytes an element) and torch.optim.AdamW(fused=True) (fp32)
+measured in the same rounds.
 
 Each figure is the median over rounds of `steps` back-to-back calls between
 two CUDA events (the host runs ahead of the GPU, so host time is not in it);
-the variants' order is rotated each round, and the copy and torch's step are
+the plans' order is rotated each round, and the copy and torch's step are
 timed in every round, so drift of the GPU's clocks reaches all alike.
 
-    python tools/probes/adam_variants.py [--rounds 5] [--steps 4] [--only 0,3,9]"""
+    python tools/probes/adam_plans.py [--rounds 5] [--steps 4] [--only 0,3]"""
 import argparse
-import ctypes
 import statistics
 import subprocess
 import sys
@@ -25,14 +27,7 @@ from benchmarks.bench_adam import SHAPES  # noqa: E402
 from fusedops.optim import FusedAdamW  # noqa: E402
 
 LR, WD = 1e-4, 0.01
-
-
-def variants(lib):
-    out, i = [], 0
-    while (name := lib.fo_adam_cuda_variant_name(i)) is not None:
-        out.append(name.decode())
-        i += 1
-    return out
+PLANS = {0: "by this GPU", 1: "registers, persistent grid", 2: "registers, one block a tile", 3: "ring"}
 
 
 def timed(fn, steps):
@@ -63,15 +58,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--only", default="", help="comma-separated variant indices (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated adam_plan values (default: all)")
     a = ap.parse_args()
-    lib = ctypes.CDLL(fusedops._C.__file__)
-    lib.fo_adam_cuda_variant.argtypes = [ctypes.c_int]
-    lib.fo_adam_cuda_variant.restype = ctypes.c_int
-    lib.fo_adam_cuda_variant_name.argtypes = [ctypes.c_int]
-    lib.fo_adam_cuda_variant_name.restype = ctypes.c_char_p
-    names = variants(lib)
-    pick = [int(x) for x in a.only.split(",")] if a.only else list(range(len(names)))
+    pick = [int(x) for x in a.only.split(",")] if a.only else list(PLANS)
 
     shapes = SHAPES["cuda"]
     n = sum(torch.Size(s).numel() for s in shapes)
@@ -79,8 +68,8 @@ def main():
     y = torch.empty_like(x)
     opts = {"fp32": make_opt(shapes, torch.float32, "fp32"), "master": make_opt(shapes, torch.bfloat16, "master"),
             "torch": make_opt(shapes, torch.float32, "torch")}
-    for v in pick:  # each variant's first launch (attributes, occupancy) outside the timing
-        lib.fo_adam_cuda_variant(v)
+    for v in pick:  # each plan's first launch (attributes, occupancy) outside the timing
+        fusedops._C._tune("adam_plan", v)
         opts["fp32"].step()
         opts["master"].step()
     times = {("copy",): [], ("torch",): []}
@@ -89,11 +78,11 @@ def main():
         times[("copy",)].append(timed(lambda: y.copy_(x), a.steps))
         times[("torch",)].append(timed(opts["torch"].step, a.steps))
         for v in order:
-            lib.fo_adam_cuda_variant(v)
+            fusedops._C._tune("adam_plan", v)
             for mode in ("fp32", "master"):
                 times.setdefault((v, mode), []).append(timed(opts[mode].step, a.steps))
         times[("copy",)].append(timed(lambda: y.copy_(x), a.steps))
-    lib.fo_adam_cuda_variant(0)
+    fusedops._C._tune("adam_plan", None)
 
     med = {k: statistics.median(t) for k, t in times.items()}
     copy = 8 * n / med[("copy",)] / 1e9
@@ -108,10 +97,10 @@ def main():
     print(f"copy_ (fp32, same size)           {copy:7.0f} GB/s  1.000")
     tt = gbs(med[("torch",)])
     print(f"torch AdamW(fused=True) fp32      {tt:7.0f} GB/s  {tt / copy:.3f}")
-    print(f"{'variant':34s} {'fp32 GB/s':>9s} {'frac':>6s} {'xtorch':>6s} | {'master GB/s':>11s} {'frac':>6s}")
+    print(f"{'adam_plan':34s} {'fp32 GB/s':>9s} {'frac':>6s} {'xtorch':>6s} | {'master GB/s':>11s} {'frac':>6s}")
     for v in pick:
         f, m = gbs(med[(v, "fp32")]), gbs(med[(v, "master")])
-        print(f"{v:2d} {names[v]:31s} {f:9.0f} {f / copy:6.3f} {f / tt:6.3f} | {m:11.0f} {m / copy:6.3f}")
+        print(f"{v:2d} {PLANS[v]:31s} {f:9.0f} {f / copy:6.3f} {f / tt:6.3f} | {m:11.0f} {m / copy:6.3f}")
 
 
 if __name__ == "__main__":
