@@ -364,9 +364,7 @@ extern "C" const char *fo_adam_cuda(const fo_adam_params *a, void *stream_ptr) {
     shape = kRegs;
     k = pick(shape, a->param_dtype, a->state_dtype, master, a->amsgrad, shapes);
   }
-  if (k.smem > 48 * 1024 &&
-      cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k.smem) != cudaSuccess)
-    return last_error();
+  if (grant_smem(k.kernel, (size_t)k.smem) != cudaSuccess) return last_error();
   const int64_t tile_elems = (int64_t)kThreads * kShapes[shape].per;
   const int64_t grid_cap =
       plan.persistent ? (int64_t)sm_count(device) * blocks_per_sm(k.kernel, kThreads, (size_t)k.smem) : INT32_MAX;
