@@ -241,6 +241,27 @@ def test_against_reference(device, c):
     check_case(c, device)
 
 
+# Soft-capping's tanh (attention_mma.cuh, softcap_scores) takes an odd
+# polynomial where every scaled score of a warp's tile is within the cap and
+# the ex2 form elsewhere: query rows scaled by 0.5 .. 4 in blocks of 16 (a warp's
+# rows) put |score scale| / softcap from below 1 to about 3, so that both
+# branches run, side by side and on scores where they meet.
+CAP_SPAN_CASES = [replace(BASE, B=1, Sq=200, Sk=200, Hq=2, Hkv=1, softcap=5.0, causal=cz, dtype=dt, D=d)
+                  for cz, dt, d in itertools.product([False, True], LOWP, [64, 128])]
+
+
+@pytest.mark.parametrize("c", CAP_SPAN_CASES, ids=ids(CAP_SPAN_CASES))
+def test_softcap_both_branches(device, c):
+    backward = skip_unless_supported(c, device, backward=False)
+    q, k, v, dout = padded_inputs(c, device)
+    rows = torch.arange(c.Sq, device=device)
+    factor = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)[(rows // 16) % 4]
+    q = (q.float() * factor[None, :, None, None]).to(c.dtype)
+    got = run_padded("fused", c, q, k, v, dout, backward=backward)
+    check(c, got, run_padded("reference", c, q, k, v, dout, torch.float64, backward),
+          run_padded("reference", c, q, k, v, dout, None, backward))
+
+
 # At CPU level 5 bf16 with head dims divisible by 32 takes the AVX512-BF16
 # tiles (attention_cpu.c); here the same masks on the level-4 fp32 tiles.
 BF16_CASES = [c for c in ALL_CASES if c.dtype == torch.bfloat16 and c.D % 32 == 0][::3]

@@ -261,9 +261,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const fo_attn_p
   // This block's dK, dV columns: [c0, c0 + kCols) (a constant 0 where it has all).
   const int c0 = kCols == D ? 0 : static_cast<int>(blockIdx.z) * kCols;
   const int64_t group = p.Hq / p.Hkv;
-  // Soft-capped scores arrive scaled (softcap_scores).
+  // Soft-capped scores are scaled as uncapped ones (softcap_scores).
   const bool capped = kGeneral && p.softcap > 0.f;
-  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
+  const float scale2 = p.scale * kLog2e;
   auto seq_len = [&]() -> int64_t { return kGeneral ? sq : p.Sq; };
   auto batch_of = [&]() -> int64_t { return kGeneral ? bs : b; };  // the batch index of the strides
 
@@ -432,8 +432,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const fo_attn_par
   const int64_t hk = h / (p.Hq / p.Hkv);
   const SeqView seq(p, b, kGeneral && p.cu_seqlens_q != nullptr, kGeneral);
   if (i0 >= seq.sq) return;  // past its sequence (varlen)
-  const bool capped = kGeneral && p.softcap > 0.f;  // soft-capped scores arrive scaled (softcap_scores)
-  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
+  const bool capped = kGeneral && p.softcap > 0.f;  // scaled as uncapped scores (softcap_scores)
+  const float scale2 = p.scale * kLog2e;
   const int dlo = seq.dlo(kGeneral), dhi = seq.dhi(kGeneral);
 
   const T *q = static_cast<const T *>(p.q) + seq.bs * p.q_st.batch + h * p.q_st.head + (seq.q_tok + i0) * p.q_st.seq;

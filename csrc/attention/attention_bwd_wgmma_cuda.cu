@@ -451,8 +451,8 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
 
   regs_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // this consumer: keys 64 cw.. of the block
-  // Soft-capped scores arrive scaled (softcap_scores).
-  const float scale2 = kGeneral && p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  // Soft-capped scores are scaled as uncapped ones (softcap_scores).
+  const float scale2 = p.scale * kLog2e;
   int dlo = 0, dhi = 0;  // general: the band (SeqView::dlo, dhi)
   if constexpr (kGeneral) {
     const SeqView seq(p, b);

@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const fo_attn_params
   const FwdBlock<T, BM, kBlockN<D, kGeneral>, kBanded, kGeneral> blk(p);
   if (blk.q_rows <= 0) return;  // past its sequence (varlen)
   constexpr int N = kBlockN<D, kGeneral>;
-  // Soft-capped scores arrive scaled (softcap_scores).
+  // Soft-capped scores are scaled as uncapped ones (softcap_scores).
   const bool capped = kGeneral && p.softcap > 0.f;
-  const float scale2 = capped ? kLog2e : p.scale * kLog2e;
+  const float scale2 = p.scale * kLog2e;
   const T *k = blk.k, *v = blk.v;
   const int64_t i0 = blk.i0;
   const int n_tiles = blk.n_tiles;

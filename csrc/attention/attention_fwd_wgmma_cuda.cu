@@ -324,8 +324,8 @@ __global__ void __launch_bounds__(WsConfig<D, kCausal || kGeneral>::kThreads, 1)
   regs_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // this consumer: query rows 64 cw.. of the block
   const int64_t i0 = blk.i0;
-  // Soft-capped scores arrive scaled (softcap_scores).
-  const float scale2 = kGeneral && p.softcap > 0.f ? kLog2e : p.scale * kLog2e;
+  // Soft-capped scores are scaled as uncapped ones (softcap_scores).
+  const float scale2 = p.scale * kLog2e;
   const int off0 = blk.j_first * N - static_cast<int>(i0);  // kGeneral: key tile j_first's offset from row 0
   auto landed = [&](uint64_t *full, int j) { mbar_wait(&full[j % S], (j / S) & 1); };
   auto release = [&](uint64_t *empty, int j) {
