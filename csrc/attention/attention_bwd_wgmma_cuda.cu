@@ -59,26 +59,18 @@ constexpr size_t kSmem = 1024 + static_cast<size_t>(2 * kKeys + 4 * kM) * D * 2 
                          2 * kKeys * kM * 2 + kGroups * kAccTile * 4 + 4 * kM * 4 + 4 * 8;
 
 // dS^T = P^T (dP^T - delta), in place of dP^T (a warp's rows of its
-// warpgroup's 64 keys x kM queries; P^T in s), delta of the step's queries
-// from dl_s in shared memory; kCapped: times the cap's derivative
-// (softcap_grad, from lse2 in l2_s).
-template <bool kCapped>
-__device__ __forceinline__ void ds_of(float (&dp)[kM / 8][4], const float (&s)[kM / 8][4], const float *dl_s,
-                                      const float *l2_s, float softcap) {
+// warpgroup's 64 keys x kM queries; P^T in s, soft-capped: times the cap's
+// derivative, see probabilities), delta of the step's queries from dl_s in
+// shared memory.
+__device__ __forceinline__ void ds_of(float (&dp)[kM / 8][4], const float (&s)[kM / 8][4], const float *dl_s) {
   const int tig = threadIdx.x % 4;
 #pragma unroll
   for (int t = 0; t < kM / 8; ++t) {
     const float2 dl = *reinterpret_cast<const float2 *>(dl_s + t * 8 + tig * 2);
-    float2 l2;
-    if constexpr (kCapped) l2 = *reinterpret_cast<const float2 *>(l2_s + t * 8 + tig * 2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       dp[t][2 * r] = s[t][2 * r] * (dp[t][2 * r] - dl.x);
       dp[t][2 * r + 1] = s[t][2 * r + 1] * (dp[t][2 * r + 1] - dl.y);
-      if constexpr (kCapped) {
-        dp[t][2 * r] *= softcap_grad(s[t][2 * r], l2.x, softcap);
-        dp[t][2 * r + 1] *= softcap_grad(s[t][2 * r + 1], l2.y, softcap);
-      }
     }
   }
 }
@@ -239,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();  // dP^T; dV may still run
     hold(dp);
 
-    ds_of<false>(dp, s, sDl + st * kM, sL + st * kM, 0.f);
+    ds_of(dp, s, sDl + st * kM);
     uint32_t da[kM / 16][4];  // dS^T rounded to T
     pack_a<T>(da, dp);
     T *sds = sdS + st * kKeys * kM;
@@ -497,13 +489,19 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
     if constexpr (kGeneral)
       if (p.softcap > 0.f) softcap_scores(s, p.scale, p.softcap);
     // Masked (general): key j0 + kl and query m0 + q with kl >= k_rows, or
-    // kl + off - q outside the band [dlo, dhi] (SeqView).
-    auto probabilities = [&](auto masked) {
+    // kl + off - q outside the band [dlo, dhi] (SeqView). Soft-capped
+    // (capped): P^T goes to pa here, as pack_a lays it out, and s keeps
+    // P^T (1 - t^2), the cap's derivative taken while t = s k (tanh, from
+    // softcap_scores) is at hand: no special-function op beyond the exp2.
+    uint32_t pa[kM / 16][4];
+    auto probabilities = [&](auto masked, auto capped) {
+      const float k = p.scale / p.softcap;  // (capped only)
 #pragma unroll
       for (int t = 0; t < kM / 8; ++t) {
         const float2 l2 = *reinterpret_cast<const float2 *>(sL + st * kM + t * 8 + tig * 2);
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < 2; ++r) {
+          float pe[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float x = fmaf(s[t][2 * r + e], scale2, -(e ? l2.y : l2.x));
@@ -513,18 +511,32 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
             } else if constexpr (decltype(masked)::value) {
               if (key_l[r] >= k_rows || (kCausal && key_l[r] + off > t * 8 + tig * 2 + e)) x = -INFINITY;
             }
-            s[t][2 * r + e] = exp2_approx(x);
+            pe[e] = exp2_approx(x);
+            if constexpr (decltype(capped)::value) {
+              const float tc = s[t][2 * r + e] * k;
+              s[t][2 * r + e] = pe[e] * fmaf(-tc, tc, 1.f);
+            } else {
+              s[t][2 * r + e] = pe[e];
+            }
           }
+          if constexpr (decltype(capped)::value) pa[t / 2][(t % 2) * 2 + r] = pack2<T>(pe[0], pe[1]);
+        }
       }
     };
     const bool edge = kGeneral ? k_rows < kKeys || (kCausal && (off + cw * 64 + 63 > dhi || off + cw * 64 - (kM - 1) < dlo))
                                : k_rows < kKeys || (kCausal && j0 + cw * 64 + 63 > m0);
-    if (edge)
-      probabilities(std::true_type{});
-    else
-      probabilities(std::false_type{});
-    uint32_t pa[kM / 16][4];
-    pack_a<T>(pa, s);
+    if (kGeneral && p.softcap > 0.f) {
+      if (edge)
+        probabilities(std::true_type{}, std::true_type{});
+      else
+        probabilities(std::false_type{}, std::true_type{});
+    } else {
+      if (edge)
+        probabilities(std::true_type{}, std::false_type{});
+      else
+        probabilities(std::false_type{}, std::false_type{});
+      pack_a<T>(pa, s);
+    }
     hold(pa);
     wgmma_fence();
 #pragma unroll
@@ -534,10 +546,7 @@ __global__ void __launch_bounds__(BwdWsConfig<D>::kThreads, 1)
     wgmma_wait<1>();  // dP^T; dV may still run
     hold(dp);
 
-    if (kGeneral && p.softcap > 0.f)
-      ds_of<true>(dp, s, sDl + st * kM, sL + st * kM, p.softcap);
-    else
-      ds_of<false>(dp, s, sDl + st * kM, sL + st * kM, 0.f);
+    ds_of(dp, s, sDl + st * kM);
     uint32_t da[kM / 16][4];
     pack_a<T>(da, dp);
     T *sds = sdS + (it & 1) * kKeys * kM;
