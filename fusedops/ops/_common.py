@@ -135,7 +135,7 @@ def function_apply(function):
     base = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
 
     def apply(*args):
-        if _functorch_active():
+        if _is_compiling() or _functorch_active():  # (torch.compile traces Function.apply, not the C apply)
             return function.apply(*args)
         return base(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])
 
