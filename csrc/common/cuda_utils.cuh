@@ -110,7 +110,7 @@ __device__ __forceinline__ Raw<T, N> load_raw(const T *p) {
 // One 16-byte store to global memory, as a plain (weak) st.global in inline
 // PTX, with a memory clobber so that the compiler orders it as it ordered the
 // assignment. (Not __stwb: ptxas makes its st.global.wb a strong store,
-// STG.E.128.STRONG.SM, and it measured up to 1 % slower.)
+// STG.E.128.STRONG.SM, which measured slower: docs/perf/norm.md.)
 __device__ __forceinline__ void store16(uint4 *p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");

@@ -99,7 +99,7 @@ FO_INLINE float fwd_pass_s(int rms, const char *x, const char *res, char *s, int
  * row's x and residual, so that memory stays busy while the row's later
  * passes run from L1 (the backward likewise with dx). 16-bit rows, whose
  * passes take longer than their bytes, gained nothing forward and lost
- * 4-10 % backward (docs/perf-notes.md, CPU v6). */
+ * backward (docs/perf-notes.md, CPU v6). */
 typedef struct affine {
   const void *w, *b;
   fo_dtype t;
@@ -252,12 +252,10 @@ static void fwd_row(const fo_norm_fwd_params *p, int64_t r, const affine *a) {
 }
 
 /* Pass 3 reads w and b once a row. As fp32 copies they take 8 bytes a column
- * of L1 cache, and the row's x and y 4 more (16-bit): 48 KB at 4096 columns,
- * past a 32 KB L1 from about 2700, and the LayerNorm fp16 forward without
- * residual fell to 0.94x eager at 4096 (1.3x at 1024). From NARROW_COLS
- * columns on, 16-bit w and b are read as they are and converted on the way:
- * fp16 forward at 4096 and 8192 columns 15-30% faster (C, one thread), bf16
- * the same; at 2048 that was 0-10% slower, at 1024 15%. */
+ * of L1 cache, and the row's x and y 4 more (16-bit): past a 32 KB L1 from
+ * about 2700 columns. From NARROW_COLS columns on, 16-bit w and b are read as
+ * they are and converted on the way, which keeps the row in L1; below it the
+ * fp32 copies are faster (figures: docs/perf/norm.md). */
 enum { NARROW_COLS = 3072 };
 
 const char *FO_FN(fo_norm_fwd_cpu)(const fo_norm_fwd_params *p) {

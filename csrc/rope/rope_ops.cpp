@@ -31,8 +31,8 @@ void check_table(const char *op, const char *arg, const Tensor &t, const Tensor 
 }
 
 // A [B, H, S, D] output. The forward rotation's is contiguous (the attention
-// reads either layout in place; on an H100 this layout took 0.9 ms off the
-// e2e Llama step, for a reason not identified: docs/perf-notes.md). The
+// reads either layout in place; this layout made the e2e Llama step faster,
+// for a reason not identified: docs/perf/rope.md). The
 // inverse's (the backward's, on output gradients) is [B, S, H, D] in memory:
 // the layout of the projections the gradients flow back into, which then
 // takes no copy.
