@@ -3,7 +3,7 @@
 # fusedops.functional.linear_cross_entropy under each chunk variant of fusedops/ops/linear_xent.py
 # (the policies of chunk_rows, and fixed rows a chunk), beside the unfused form (h @ W.T, then
 # fusedops' cross_entropy), torch.compile of transformers' form (fp32 logits) and Liger-Kernel's
-# LigerFusedLinearCrossEntropyLoss (where it imports), in one process, bf16, mean over targets of
+# fused linear cross-entropy (where it imports; the implementations are the benchmark's), in one process, bf16, mean over targets of
 # which ~5 % are ignored. Peak: memory one call allocates beyond its inputs, gradients included
 # (as benchmarks/bench_linear_xent.py). Then, for the first shape, where the GPU time of fusedops'
 # default variant and of the unfused form goes, op by op and by operand shapes (torch.profiler);
@@ -22,12 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
-import torch.nn.functional as TF  # noqa: E402
 
-from fusedops import functional as FF  # noqa: E402
+from benchmarks.bench_linear_xent import IGNORE, _eager as eager, _fused as fused, _liger  # noqa: E402
+from benchmarks.bench_linear_xent import _unfused as unfused  # noqa: E402
 from fusedops.ops import linear_xent as LX  # noqa: E402
-
-IGNORE = -100
 SHAPES = "8192x4096x128256,8192x4096x32000,8192x4096x262144,2048x4096x128256,32768x4096x128256"
 MiB = 1 << 20
 
@@ -41,28 +39,6 @@ def parse():
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (no peak, no Liger)")
     return p.parse_args()
-
-
-def eager(h, w, t):
-    return TF.cross_entropy((h @ w.t()).float(), t, ignore_index=IGNORE)
-
-
-def unfused(h, w, t):
-    return FF.cross_entropy(h @ w.t(), t, ignore_index=IGNORE)
-
-
-def fused(h, w, t):
-    return FF.linear_cross_entropy(h, w, t, ignore_index=IGNORE)
-
-
-def liger():
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except Exception as e:  # noqa: BLE001  (not installed, no Triton)
-        print(f"liger: n/a ({type(e).__name__}: {str(e)[:120]})")
-        return None
-    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
-    return lambda h, w, t: loss(w, h, t)
 
 
 def variant(policy=None, rows=None):
@@ -185,7 +161,9 @@ def main():
     impls = {"unfused": unfused}
     if args.compile:
         impls["compile"] = torch.compile(eager, dynamic=False)
-    lig = liger() if device.type == "cuda" else None
+    lig = _liger() if device.type == "cuda" else None
+    if device.type == "cuda" and lig is None:
+        print("liger: n/a (liger_kernel does not import)")
     if lig is not None:
         impls["liger"] = lig
     for p in LX.POLICIES:
