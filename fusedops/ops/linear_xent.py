@@ -41,7 +41,6 @@ from . import xent as _xent
 from ._common import (_lib, check_one_device, double_backward_error, no_double_backward, register_autograd,
                       register_mutating)
 
-REDUCTIONS = ("none", "mean", "sum")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # A chunk's logits hold at most this share of the weight's bytes (with the
@@ -217,8 +216,7 @@ def _fwd_impl(input, weight, bias, target, ignore_index, reduction, label_smooth
               weight_grad, bias_grad, num_items=None):
     op = "linear_xent_fwd"
     check_args(op, input, weight, bias, target, ignore_index, label_smoothing, softcap)
-    if reduction not in REDUCTIONS:
-        raise RuntimeError(f"fusedops.{op}: reduction is {reduction!r}, expected 'none', 'mean' or 'sum'")
+    _xent.check_reduction(op, reduction)
     _check_num_items(op, num_items)
     bias_grad = bias_grad and bias is not None
     rows, hidden = input.shape

@@ -21,11 +21,16 @@ from ._common import check_one_device, no_double_backward, register_autograd, re
 REDUCTIONS = ("none", "mean", "sum")
 
 
+def check_reduction(op, reduction):
+    """Raise a RuntimeError naming op unless reduction is one of REDUCTIONS."""
+    if reduction not in REDUCTIONS:
+        raise RuntimeError(f"fusedops.{op}: reduction is {reduction!r}, expected 'none', 'mean' or 'sum'")
+
+
 @torch.library.register_fake("fusedops::xent_fwd")
 def _xent_fwd_fake(logits, target, ignore_index, label_smoothing=0.0, softcap=0.0, reduction="none"):
     check_one_device("xent_fwd", logits=logits, target=target)
-    if reduction not in REDUCTIONS:
-        raise RuntimeError(f"fusedops.xent_fwd: reduction is '{reduction}', expected 'none', 'mean' or 'sum'")
+    check_reduction("xent_fwd", reduction)
     rows = logits.shape[0]
     reduced = reduction != "none"
     return (logits.new_empty(() if reduced else (rows,), dtype=torch.float32),
