@@ -592,17 +592,17 @@ int blocks_per_sm(K *kernel, int threads, size_t smem) {
   return n;
 }
 
-// Lets `kernel` launch with more than 48 KB of dynamic shared memory (up to
-// all a block may opt in to on the current device), which a kernel must ask
-// for first: the first call for a kernel and device (on this thread) sets
-// the attribute, later calls are a look-up (a cudaFuncSetAttribute each call
-// cost about as much host time as the launch). The most a block may have,
-// not `smem`: the attribute is the kernel's, not the thread's, and a smaller
-// grant for one call would fail a larger launch of the kernel on another.
+// Lets `kernel` take `smem` bytes of dynamic shared memory on `device`: past
+// 48 KB of static and dynamic shared memory together a kernel must ask first,
+// so any nonzero request asks (a kernel's static bytes count against the 48).
+// The first call for a kernel and device (on this thread) sets the attribute,
+// later calls are a look-up (a cudaFuncSetAttribute each call cost about as
+// much host time as the launch). The most a block may have, not `smem`: the
+// attribute is the kernel's, not the thread's, and a smaller grant for one
+// call would fail a larger launch of the kernel on another.
 template <class K>
-cudaError_t grant_smem(K *kernel, size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  const int device = current_device();
+cudaError_t grant_smem(K *kernel, size_t smem, int device = current_device()) {
+  if (smem == 0) return cudaSuccess;
   thread_local RingCache<LaunchKey, bool, 32> granted;
   const LaunchKey key{(const void *)kernel, device, 0, 0};
   if (granted.find(key)) return cudaSuccess;

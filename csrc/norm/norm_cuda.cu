@@ -195,25 +195,6 @@ size_t optin_bytes(const fo_norm_plan &pl, size_t smem) {
   return pl.kernel == FO_NORM_GROUP || pl.kernel == FO_NORM_SHIFT ? (smem > 48 * 1024 ? smem : 0) : smem;
 }
 
-// Lets `kernel` take `smem` bytes of dynamic shared memory on `device` (past
-// 48 KB of static and dynamic shared memory a kernel must ask first): the
-// first call for a kernel and device grants it all a block may opt in to,
-// and later calls are a look-up. One value, the most: the attribute is the
-// kernel's, not the thread's, and granting each call its own bytes let a
-// call on one thread (autograd's) lower the limit under a launch on another,
-// which then failed with "invalid argument".
-void allow_smem(const void *kernel, size_t smem, int device) {
-  thread_local RingCache<LaunchKey, bool, 32> cache;  // a kernel and device granted
-  const LaunchKey key{kernel, device, 0, 0};
-  if (smem == 0 || cache.find(key)) return;
-  cudaFuncAttributes a{};
-  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem_optin(device) - (int)a.sharedSizeBytes) != cudaSuccess)
-    return;  // the error stays for last_error(), after the launch
-  cache.put(key, true);
-}
-
 // A launch configuration of 1-D clusters of `cl` blocks, `blocks` blocks in all.
 struct ClusterLaunch {
   cudaLaunchAttribute attr[1] = {};
@@ -245,7 +226,7 @@ int query_blocks(void *ctx, const fo_norm_plan *pl, int threads, size_t smem) {
   const Query &q = *static_cast<const Query *>(ctx);
   const void *k = q.kernel(pl);
   if (!k) return 1;
-  allow_smem(k, optin_bytes(*pl, smem), q.device);
+  (void)fo::grant_smem(k, optin_bytes(*pl, smem), q.device);  // a failure shows at the launch
   return blocks_per_sm(k, threads, smem);
 }
 
@@ -254,7 +235,7 @@ int query_clusters(void *ctx, const fo_norm_plan *pl, int threads, size_t smem) 
   const Query &q = *static_cast<const Query *>(ctx);
   const void *k = q.kernel(pl);
   if (!k) return 1;
-  allow_smem(k, optin_bytes(*pl, smem), q.device);
+  (void)fo::grant_smem(k, optin_bytes(*pl, smem), q.device);  // a failure shows at the launch
   thread_local RingCache<LaunchKey, int, 16> cache;
   const LaunchKey key{k, pl->cl, threads, smem};
   if (const int *n = cache.find(key)) return *n;
@@ -286,7 +267,7 @@ fo_norm_device device_facts(const Query &q) {
 // splits rows over them, blocks of (team, rpb) for the register kernels,
 // team * rpb threads for the rest.
 void launch(const void *k, const fo_norm_plan &pl, void **args, int device, cudaStream_t stream) {
-  allow_smem(k, optin_bytes(pl, pl.smem), device);
+  (void)fo::grant_smem(k, optin_bytes(pl, pl.smem), device);  // a failure shows at the launch
   if (pl.cl > 1) {
     if (pl.cl > 8) cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     ClusterLaunch l(pl.grid, pl.cl, pl.team, pl.smem, stream);
