@@ -83,21 +83,20 @@ FO_INLINE float v8_hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* 2^f on [0, 1): a degree-5 polynomial (relative error 1.5e-7), highest
+ * coefficient first. */
+static const float exp2_poly[6] = {0.0018762329f, 0.0089925844f, 0.055823606f, 0.24015453f, 0.69315296f, 1.0f};
+
 /* 2^x lane-wise for x <= 0 (and a little above), 0 below -126 (-inf too):
- * exponent bits plus a degree-5 polynomial for 2^f on [0, 1) (relative error
- * 1.5e-7). */
+ * exponent bits times exp2_poly. */
 FO_INLINE v8f v8_exp2(v8f x) {
   const v8i under = x < v8_splat(-126.0f);
   v8f xc = v8_select(under, v8_splat(-126.0f), x);
   xc = v8_select(xc > v8_splat(127.0f), v8_splat(127.0f), xc);
   const v8i t = __builtin_convertvector(xc + 127.0f, v8i); /* floor(xc) + 127: xc + 127 >= 1 */
   const v8f f = xc - __builtin_convertvector(t - 127, v8f);
-  v8f p = v8_splat(0.0018762329f);
-  p = p * f + 0.0089925844f;
-  p = p * f + 0.055823606f;
-  p = p * f + 0.24015453f;
-  p = p * f + 0.69315296f;
-  p = p * f + 1.0f;
+  v8f p = v8_splat(exp2_poly[0]);
+  for (int i = 1; i < 6; ++i) p = p * f + exp2_poly[i];
   return v8_select(under, v8_splat(0.0f), p * (v8f)(t << 23));
 }
 
@@ -654,6 +653,49 @@ static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p,
  * so that a key tile starting at any even key reads them in place. */
 #define FO_TARGET_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
 
+/* The AMX forward's key tile: twice the others', so that each row's work per
+ * tile (its max and sum reductions, the rescaling) spreads over more keys,
+ * now that the products cost less than the softmax. */
+enum { BKA = 128 };
+
+/* 2^x on 16 lanes for x <= 0: exp2_poly of f = x - floor(x), scaled by
+ * 2^floor(x) (vscalefps: subnormal below -126, 0 from -200 on and for -inf);
+ * NaN stays NaN. */
+FO_TARGET_AMX static inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x); /* on a NaN, max returns its second operand */
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 q = _mm512_set1_ps(exp2_poly[0]);
+  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(exp2_poly[i]));
+  return _mm512_scalef_ps(q, n);
+}
+
+/* log2_scores on 16 lanes (soft-capped: as two halves of 8). */
+FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512 raw, __m512 *t) {
+  if (p->softcap > 0.0f) {
+    v8f t0, t1;
+    const v8f lo = log2_scores(p, (v8f)_mm512_castps512_ps256(raw), &t0);
+    const v8f hi = log2_scores(p, (v8f)_mm512_extractf32x8_ps(raw, 1), &t1);
+    *t = _mm512_insertf32x8(_mm512_castps256_ps512((__m256)t0), (__m256)t1, 1);
+    return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+  }
+  *t = _mm512_setzero_ps();
+  return _mm512_mul_ps(raw, _mm512_set1_ps(p->scale * LOG2E));
+}
+
+/* Lanes c..c+15 of a key tile of nk keys starting at key j0 that row r sees
+ * (every lane below nk when the whole tile is seen by every row). */
+FO_TARGET_AMX static inline __mmask16 visible16(const tile_keys *tk, int64_t r, int64_t j0, int64_t c, int64_t nk,
+                                                int whole) {
+  const __m512i col = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32((int32_t)c));
+  __mmask16 vis = _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)nk));
+  if (!whole)
+    vis &= _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->lo[r] - j0))) &
+           _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->hi[r] - j0)));
+  return vis;
+}
+
 /* Keys j0.. (n of them, j0 even) of sequence s, kv head hk, packed at dst =
  * packed_at: K^T pairs [D/2, lk] (key j at column j), then V pairs of keys
  * [lk/2, D] (an odd last key paired with zeros); lk = sk rounded up to even. */
@@ -699,10 +741,63 @@ FO_TARGET_AMX static void pack_all(const fo_attn_params *p, const packed_amx *pk
   }
 }
 
+/* The online softmax of rows [0, nq) of a query tile against the key tile
+ * j0.. (nk keys) for the AMX forward, on 16 lanes: s [nq, BKA] the raw
+ * products q.k (masked: keys past nk, and those a row does not see unless
+ * every row sees the whole tile), replaced by the scores; P = exp2(score - m)
+ * into pa [nq, BKA/2] as bf16 pairs of keys (0 from nk up to nk rounded to
+ * 32), never as fp32; m, l and the output rows o [nq, ldo] as in
+ * softmax_rows, the new maxima and the rescaling factors 16 rows a vector. */
+FO_TARGET_AMX static void softmax_amx(const fo_attn_params *p, const tile_keys *tk, int64_t j0, int64_t nq,
+                                      int64_t nk, float *s_tile, uint32_t *pa, float *m, float *l, float *o_tile,
+                                      int64_t ldo) {
+  const int64_t nk32 = round_up(nk, 32);
+  const int whole = tk->all_lo <= j0 && j0 + nk <= tk->all_hi;
+  float mt[BQ], shift[BQ], alpha[BQ];
+  for (int64_t r = 0; r < nq; ++r) {
+    float *s = s_tile + r * BKA;
+    __m512 mx = _mm512_set1_ps(-INFINITY), t;
+    for (int64_t c = 0; c < nk32; c += 16) {
+      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible16(tk, r, j0, c, nk, whole),
+                                          log2_scores16(p, _mm512_loadu_ps(s + c), &t));
+      _mm512_storeu_ps(s + c, x);
+      mx = _mm512_max_ps(x, mx); /* a NaN score is never the max: max returns its second operand */
+    }
+    mt[r] = _mm512_reduce_max_ps(mx);
+  }
+  for (int64_t r0 = 0; r0 < nq; r0 += 16) {
+    const __mmask16 k = nq - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (nq - r0)) - 1);
+    const __m512 m_old = _mm512_maskz_loadu_ps(k, m + r0);
+    const __m512 m_new = _mm512_max_ps(_mm512_maskz_loadu_ps(k, mt + r0), m_old);
+    /* nothing visible yet: no shift */
+    const __m512 sh = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                         _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(m + r0, k, m_new);
+    _mm512_mask_storeu_ps(shift + r0, k, sh);
+    _mm512_mask_storeu_ps(alpha + r0, k, exp2_16(_mm512_sub_ps(m_old, sh)));
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const float *s = s_tile + r * BKA;
+    const __m512 sh = _mm512_set1_ps(shift[r]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nk32; c += 32) {
+      const __m512 e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + c), sh));
+      const __m512 e1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + c + 16), sh));
+      acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pa + r * (BKA / 2) + c / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(acc);
+    if (alpha[r] != 1.0f) {
+      float *o = o_tile + r * ldo;
+      for (int64_t d = 0; d < ldo; ++d) o[d] *= alpha[r];
+    }
+  }
+}
+
 typedef struct fwd_scratch_amx {
   uint32_t *qa; /* [BQ, D/2]: Q rows, where an odd row stride keeps them from being read in place */
-  uint32_t *pa; /* [BQ, BK/2]: P rows as bf16 pairs of keys */
-  float *s;     /* [BQ, BK]: scores, then P */
+  uint32_t *pa; /* [BQ, BKA/2]: P rows as bf16 pairs of keys */
+  float *s;     /* [BQ, BKA]: the products q.k, then the scores */
   float *o;     /* [BQ, D] */
   fo_amx_stage *stage;
   float m[BQ], l[BQ];
@@ -713,8 +808,8 @@ static uint32_t *fwd_scratch_amx_init(fwd_scratch_amx *w, int64_t D) {
   carver c = {NULL, 0};
   do {
     w->qa = take(&c, BQ * D / 2);
-    w->pa = take(&c, BQ * BK / 2);
-    w->s = take(&c, BQ * BK);
+    w->pa = take(&c, BQ * BKA / 2);
+    w->s = take(&c, BQ * BKA);
     w->o = take(&c, BQ * D);
     w->stage = take(&c, sizeof(fo_amx_stage) / 4);
   } while (carve_again(&c));
@@ -733,12 +828,11 @@ FO_TARGET_AMX static void fwd_tile_amx(const fo_attn_params *p, const seq_t *s, 
   start_rows(nq, w->o, D, w->m, w->l);
   keys_of_rows(p, s, i0, nq, &w->keys);
   /* key tiles from an even key: V's pairs of keys */
-  for (int64_t j0 = tk->jlo & ~(int64_t)1; j0 < tk->jhi; j0 += BK) {
-    const int64_t nk = min64(BK, tk->jhi - j0);
-    fo_amx_gemm(nq, nk, D2, qa, qrs, kt + j0, lk, w->s, BK, 0, w->stage); /* s = q k^T */
-    softmax_rows(p, tk, j0, nq, nk, w->s, w->m, w->l, w->o, D);
-    for (int64_t r = 0; r < nq; ++r) pack_row_f32(w->pa + r * (BK / 2), w->s + r * BK, round_up(nk, 32));
-    fo_amx_gemm(nq, D, (nk + 1) / 2, w->pa, BK / 2, vp + j0 / 2 * D, D, w->o, D, 1, w->stage); /* o += p v */
+  for (int64_t j0 = tk->jlo & ~(int64_t)1; j0 < tk->jhi; j0 += BKA) {
+    const int64_t nk = min64(BKA, tk->jhi - j0);
+    fo_amx_gemm(nq, nk, D2, qa, qrs, kt + j0, lk, w->s, BKA, 0, w->stage); /* s = q k^T */
+    softmax_amx(p, tk, j0, nq, nk, w->s, w->pa, w->m, w->l, w->o, D);
+    fo_amx_gemm(nq, D, (nk + 1) / 2, w->pa, BKA / 2, vp + j0 / 2 * D, D, w->o, D, 1, w->stage); /* o += p v */
   }
   store_rows(p, s, h, i0, nq, w->m, w->l, w->o, D);
 }
@@ -1073,25 +1167,59 @@ FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, const seq_t
  * key tile's dK^T, dV^T transposed as they are stored. dQ += dS K into the
  * split's partial in place. Query tiles start at an even query (the pairs of
  * Q^T). */
+/* probs_rows for the AMX backward, on 16 lanes and two rows (a pair of
+ * queries) at a time: from pr, ds [nq, BK] (the raw products q.k and dP, read
+ * only), P and dS as bf16 pairs of queries into pq, sq [ceil(nq / 2), BK]
+ * (the B operands of dV^T, dK^T; an odd last query paired with zeros) and dS
+ * as bf16 pairs of keys into sk [nq, BK/2] (the A operand of dQ); columns
+ * from nk up to nk rounded to 32 get 0. */
+FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, const tile_keys *tk, int64_t h,
+                                    int64_t i0, int64_t j0, int64_t nq, int64_t nk, const float *delta,
+                                    const float *pr, const float *ds, uint32_t *pq, uint32_t *sq, uint32_t *sk) {
+  const int64_t nk32 = round_up(nk, 32);
+  for (int64_t r = 0; r < nq; r += 2) {
+    const int rows = r + 1 < nq ? 2 : 1;
+    float lse2[2], dl[2];
+    for (int x = 0; x < rows; ++x) lse2[x] = *lse_at(p, s, h, i0 + r + x) * LOG2E, dl[x] = delta[r + x];
+    for (int64_t c = 0; c < nk32; c += 32) {
+      __m512 P[2][2], S[2][2]; /* [row][half] */
+      for (int x = 0; x < 2; ++x)
+        for (int y = 0; y < 2; ++y) {
+          P[x][y] = S[x][y] = _mm512_setzero_ps();
+          if (x >= rows) continue;
+          const int64_t at = (r + x) * BK + c + 16 * y;
+          const __mmask16 vis = visible16(tk, r + x, j0, c + 16 * y, nk, 0);
+          __m512 t;
+          const __m512 sc = log2_scores16(p, _mm512_loadu_ps(pr + at), &t);
+          P[x][y] = _mm512_maskz_mov_ps(vis, exp2_16(_mm512_sub_ps(sc, _mm512_set1_ps(lse2[x]))));
+          __m512 d = _mm512_mul_ps(P[x][y], _mm512_sub_ps(_mm512_loadu_ps(ds + at), _mm512_set1_ps(dl[x])));
+          if (p->softcap > 0.0f) d = _mm512_mul_ps(d, _mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0f)));
+          S[x][y] = _mm512_maskz_mov_ps(vis, d);
+        }
+      for (int y = 0; y < 2; ++y) {
+        const int64_t at = r / 2 * BK + c + 16 * y;
+        _mm512_storeu_si512(pq + at, pairs16((__m256i)_mm512_cvtneps_pbh(P[0][y]), (__m256i)_mm512_cvtneps_pbh(P[1][y])));
+        _mm512_storeu_si512(sq + at, pairs16((__m256i)_mm512_cvtneps_pbh(S[0][y]), (__m256i)_mm512_cvtneps_pbh(S[1][y])));
+      }
+      for (int x = 0; x < rows; ++x)
+        _mm512_storeu_si512(sk + (r + x) * (BK / 2) + c / 2, (__m512i)_mm512_cvtne2ps_pbh(S[x][1], S[x][0]));
+    }
+  }
+}
+
 FO_TARGET_AMX static void bwd_pair_amx(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t nq,
                                        int64_t j0, int64_t nk, const float *delta, float *dq_part,
                                        const uint32_t *qd, bwd_scratch_bf16 *w) {
-  const int64_t D = p->D, D2 = D / 2, lq = (s->sq + 1) / 2, nk32 = round_up(nk, 32), nq2 = (nq + 1) / 2;
+  const int64_t D = p->D, D2 = D / 2, lq = (s->sq + 1) / 2, nq2 = (nq + 1) / 2;
   const int64_t i = s->q0 + i0, row0 = scratch_row(p, s, h, i0); /* of delta and dq_part */
   int64_t qrs, drs;
   const pair_u *qa = rows_as_pairs((const uint16_t *)p->q, &p->q_st, s->bb, i, h, nq, nq, D, w->qa, &qrs);
   const pair_u *da = rows_as_pairs((const uint16_t *)p->dout, &p->dout_st, s->bb, i, h, nq, nq, D, w->da, &drs);
   fo_amx_gemm(nq, nk, D2, qa, qrs, w->kt, BK, w->pr, BK, 0, w->stage); /* s = q k^T */
   fo_amx_gemm(nq, nk, D2, da, drs, w->vt, BK, w->ds, BK, 0, w->stage); /* dp = dout v^T */
-  probs_rows(p, s, &w->keys, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds);
-  for (int64_t pp = 0; pp < nq2; ++pp) { /* pairs of queries (an odd last one with zeros) */
-    const int two = 2 * pp + 1 < nq;
-    pack_rows2_f32(w->pq + pp * BK, w->pr + 2 * pp * BK, two ? w->pr + (2 * pp + 1) * BK : NULL, nk32);
-    pack_rows2_f32(w->sq + pp * BK, w->ds + 2 * pp * BK, two ? w->ds + (2 * pp + 1) * BK : NULL, nk32);
-  }
+  probs_amx(p, s, &w->keys, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds, w->pq, w->sq, w->sk);
   fo_amx_gemm(D, nk, nq2, qd + D * lq + i0 / 2, lq, w->pq, BK, w->dv, BK, 1, w->stage); /* dv^T += dout^T p */
   fo_amx_gemm(D, nk, nq2, qd + i0 / 2, lq, w->sq, BK, w->dk, BK, 1, w->stage);          /* dk^T += q^T ds */
-  for (int64_t r = 0; r < nq; ++r) pack_row_f32(w->sk + r * (BK / 2), w->ds + r * BK, nk32);
   fo_amx_gemm(nq, D, (nk + 1) / 2, w->sk, BK / 2, w->kr, D, dq_part + row0 * D, D, 1, w->stage); /* dq += ds k */
 }
 #endif
