@@ -616,30 +616,40 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, const seq_t
 
 /* For the AMX tiles: a call's keys (forward: K^T and V) or queries
  * (backward: Q^T and dO^T) packed once, in parallel, into the layouts of the
- * products that read them (pack_all): for each sequence and head, D x lp
- * words at packed_at, lp = the sequence's keys or queries rounded up to even. */
+ * products that read them (pack_all): for each sequence s and head, D x
+ * packed_len(s) words at packed_at. */
 enum { PACK_ROWS = 64 }; /* keys or queries a packing task */
+/* Words added to every packed row: rows a power of two of 4 KiB apart (1024
+ * keys) would all fall in one set of the L1 cache, which a tile's 16 rows
+ * then overflow. */
+enum { PACK_PAD = 32 };
 typedef struct packed_amx {
-  int64_t *first; /* seq_prefix(p, keys, 2, 2): the lp of the sequences before b */
+  int64_t *first; /* seq_prefix(p, keys, 2, 2): the even lengths of the sequences before b */
   int64_t *tasks; /* seq_prefix(p, keys, PACK_ROWS, heads) */
   uint32_t *buf;
   int64_t heads;
   int keys;
 } packed_amx;
 
+/* The words a packed sequence takes for each element of D: its K^T row (a
+ * word a key), or its Q^T and dO^T rows (a word a pair of queries, each);
+ * its keys or queries rounded up to even, plus PACK_PAD. */
+static inline int64_t packed_len(const seq_t *s, int keys) { return round_up(keys ? s->sk : s->sq, 2) + PACK_PAD; }
+
 /* 0: out of memory (packed_free frees what was had). */
 static inline int packed_init(packed_amx *pk, const fo_attn_params *p, int keys) {
   pk->keys = keys, pk->heads = keys ? p->Hkv : p->Hq;
   pk->first = seq_prefix(p, keys, 2, 2);
   pk->tasks = seq_prefix(p, keys, PACK_ROWS, pk->heads);
-  pk->buf = pk->first ? malloc(sizeof(uint32_t) * (size_t)(pk->first[p->B] * pk->heads * p->D + 1)) : NULL;
+  pk->buf = pk->first ? malloc(sizeof(uint32_t) * (size_t)((pk->first[p->B] + PACK_PAD * p->B) * pk->heads * p->D))
+                      : NULL;
   return pk->tasks && pk->buf;
 }
 
 static inline void packed_free(packed_amx *pk) { free(pk->first), free(pk->tasks), free(pk->buf); }
 
-static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p, int64_t b, int64_t h) {
-  return pk->buf + (pk->first[b] * pk->heads + h * (pk->first[b + 1] - pk->first[b])) * p->D;
+static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p, const seq_t *s, int64_t h) {
+  return pk->buf + ((pk->first[s->b] + PACK_PAD * s->b) * pk->heads + h * packed_len(s, pk->keys)) * p->D;
 }
 
 #if ATTN_AMX
@@ -698,10 +708,10 @@ FO_TARGET_AMX static inline __mmask16 visible16(const tile_keys *tk, int64_t r, 
 
 /* Keys j0.. (n of them, j0 even) of sequence s, kv head hk, packed at dst =
  * packed_at: K^T pairs [D/2, lk] (key j at column j), then V pairs of keys
- * [lk/2, D] (an odd last key paired with zeros); lk = sk rounded up to even. */
+ * [lk/2, D] (an odd last key paired with zeros); lk = packed_len. */
 FO_TARGET_AMX static void pack_keys(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t j0, int64_t n,
                                     uint32_t *dst) {
-  const int64_t D = p->D, lk = round_up(s->sk, 2);
+  const int64_t D = p->D, lk = packed_len(s, 1);
   const uint16_t *k = (const uint16_t *)p->k, *v = (const uint16_t *)p->v;
   uint32_t *vp = dst + D / 2 * lk;
   pack_pairs_t(dst + j0, lk, k, q_off(&p->k_st, s->bb, s->k0 + j0, hk), p->k_st.seq, n, D / 2);
@@ -712,10 +722,10 @@ FO_TARGET_AMX static void pack_keys(const fo_attn_params *p, const seq_t *s, int
 
 /* Queries i0.. (n of them, i0 even) of sequence s, q head h, packed at dst =
  * packed_at: Q^T, then dO^T, each [D, lq] pairs of queries (queries 2c,
- * 2c + 1 at column c; an odd last one paired with zeros), lq = ceil(sq / 2). */
+ * 2c + 1 at column c; an odd last one paired with zeros), lq = packed_len / 2. */
 FO_TARGET_AMX static void pack_queries(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t n,
                                        uint32_t *dst) {
-  const int64_t D = p->D, lq = (s->sq + 1) / 2;
+  const int64_t D = p->D, lq = packed_len(s, 0) / 2;
   const uint16_t *src[2] = {(const uint16_t *)p->q, (const uint16_t *)p->dout};
   const fo_attn_strides *st[2] = {&p->q_st, &p->dout_st};
   for (int x = 0; x < 2; ++x)
@@ -735,7 +745,7 @@ FO_TARGET_AMX static void pack_all(const fo_attn_params *p, const packed_amx *pk
     int64_t h, t;
     task_of(p, pk->tasks, pk->keys, PACK_ROWS, task, &s, &h, &t);
     const int64_t r0 = t * PACK_ROWS, n = min64(PACK_ROWS, (pk->keys ? s.sk : s.sq) - r0);
-    uint32_t *dst = packed_at(pk, p, s.b, h);
+    uint32_t *dst = packed_at(pk, p, &s, h);
     if (pk->keys) pack_keys(p, &s, h, r0, n, dst);
     else pack_queries(p, &s, h, r0, n, dst);
   }
@@ -820,7 +830,7 @@ static uint32_t *fwd_scratch_amx_init(fwd_scratch_amx *w, int64_t D) {
  * its kv head packed at kv (pack_keys). */
 FO_TARGET_AMX static void fwd_tile_amx(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0,
                                        const uint32_t *kv, fwd_scratch_amx *w) {
-  const int64_t D = p->D, D2 = D / 2, lk = round_up(s->sk, 2), nq = min64(BQ, s->sq - i0);
+  const int64_t D = p->D, D2 = D / 2, lk = packed_len(s, 1), nq = min64(BQ, s->sq - i0);
   const tile_keys *tk = &w->keys;
   const uint32_t *kt = kv, *vp = kv + D2 * lk;
   int64_t qrs;
@@ -896,7 +906,7 @@ const char *FO_FN(fo_attn_fwd_cpu)(const fo_attn_params *p) {
         case TILES_BF16: fwd_tile_bf16(p, &s, h, it * BQ, &wb); break;
 #endif
 #if ATTN_AMX
-        case TILES_AMX: fwd_tile_amx(p, &s, h, it * BQ, packed_at(&kv, p, s.b, h / (p->Hq / p->Hkv)), &wa); break;
+        case TILES_AMX: fwd_tile_amx(p, &s, h, it * BQ, packed_at(&kv, p, &s, h / (p->Hq / p->Hkv)), &wa); break;
 #endif
         default: fwd_tile(p, &s, h, it * BQ, &w);
         }
@@ -1210,7 +1220,7 @@ FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, con
 FO_TARGET_AMX static void bwd_pair_amx(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t nq,
                                        int64_t j0, int64_t nk, const float *delta, float *dq_part,
                                        const uint32_t *qd, bwd_scratch_bf16 *w) {
-  const int64_t D = p->D, D2 = D / 2, lq = (s->sq + 1) / 2, nq2 = (nq + 1) / 2;
+  const int64_t D = p->D, D2 = D / 2, lq = packed_len(s, 0) / 2, nq2 = (nq + 1) / 2;
   const int64_t i = s->q0 + i0, row0 = scratch_row(p, s, h, i0); /* of delta and dq_part */
   int64_t qrs, drs;
   const pair_u *qa = rows_as_pairs((const uint16_t *)p->q, &p->q_st, s->bb, i, h, nq, nq, D, w->qa, &qrs);
@@ -1252,7 +1262,7 @@ FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, const seq_t
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
 #if ATTN_AMX
         if (qd) {
-          bwd_pair_amx(p, s, h, i0, nq, j0, nk, delta, dq_part, packed_at(qd, p, s->b, h), w);
+          bwd_pair_amx(p, s, h, i0, nq, j0, nk, delta, dq_part, packed_at(qd, p, s, h), w);
           continue;
         }
 #endif
