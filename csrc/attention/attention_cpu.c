@@ -1187,6 +1187,7 @@ FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, con
                                     int64_t i0, int64_t j0, int64_t nq, int64_t nk, const float *delta,
                                     const float *pr, const float *ds, uint32_t *pq, uint32_t *sq, uint32_t *sk) {
   const int64_t nk32 = round_up(nk, 32);
+  const int whole = tk->all_lo <= j0 && j0 + nk <= tk->all_hi;
   for (int64_t r = 0; r < nq; r += 2) {
     const int rows = r + 1 < nq ? 2 : 1;
     float lse2[2], dl[2];
@@ -1198,7 +1199,7 @@ FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, con
           P[x][y] = S[x][y] = _mm512_setzero_ps();
           if (x >= rows) continue;
           const int64_t at = (r + x) * BK + c + 16 * y;
-          const __mmask16 vis = visible16(tk, r + x, j0, c + 16 * y, nk, 0);
+          const __mmask16 vis = visible16(tk, r + x, j0, c + 16 * y, nk, whole);
           __m512 t;
           const __m512 sc = log2_scores16(p, _mm512_loadu_ps(pr + at), &t);
           P[x][y] = _mm512_maskz_mov_ps(vis, exp2_16(_mm512_sub_ps(sc, _mm512_set1_ps(lse2[x]))));

@@ -43,6 +43,9 @@ typedef struct fo_amx_config {
   uint16_t colsb[16]; /* bytes a row, tiles 0..7 (8..15: none in palette 1) */
   uint8_t rows[16];
 } fo_amx_config;
+_Static_assert(sizeof(fo_amx_config) == 64 && __builtin_offsetof(fo_amx_config, colsb) == 16 &&
+                   __builtin_offsetof(fo_amx_config, rows) == 48,
+               "LDTILECFG's layout");
 
 static const fo_amx_config fo_amx_tiles __attribute__((aligned(64), unused)) = {
     .palette = 1,
