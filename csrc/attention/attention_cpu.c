@@ -657,10 +657,12 @@ static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p,
  * At level FO_ISA_AMX the bf16 tiles' products run on AMX (fo_amx_gemm,
  * cpu_amx.h: 16 x 16 fp32 tiles), whose A operand holds its pairs along the
  * product's inner dimension, read in place: S = Q K^T with Q rows read in
- * place, the row-wise online softmax of the fp32 tiles, P rounded to bf16
- * pairs of keys, O += P V. Their B operands, K^T pairs along D and V pairs
- * of keys, are packed once a call for every sequence and kv head (pack_keys),
- * so that a key tile starting at any even key reads them in place. */
+ * place, a row-wise online softmax on 16 lanes (softmax_amx) that writes P
+ * as bf16 pairs of keys, O += P V. Their B operands, K^T pairs along D and V
+ * pairs of keys, are packed once a call for every sequence and kv head
+ * (pack_keys), so that a key tile starting at any even key reads them in
+ * place. With the products this cheap the softmax is most of the time: it
+ * writes no fp32 P, and its key tiles are twice as wide (BKA). */
 #define FO_TARGET_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
 
 /* The AMX forward's key tile: twice the others', so that each row's work per
@@ -692,6 +694,9 @@ FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512
   *t = _mm512_setzero_ps();
   return _mm512_mul_ps(raw, _mm512_set1_ps(p->scale * LOG2E));
 }
+
+/* 16 floats rounded to bf16. */
+FO_TARGET_AMX static inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 /* Lanes c..c+15 of a key tile of nk keys starting at key j0 that row r sees
  * (every lane below nk when the whole tile is seen by every row). */
@@ -1090,8 +1095,8 @@ static void bwd_task(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_
  * Q over pairs of queries; dQ = dS K over pairs of keys (K packed once per
  * key tile). P and dS are rounded to bf16 for the last three, as the GPU
  * kernels do; everything else is fp32, as in the fp32 tiles. The AMX
- * backward (bwd_pair_amx) shares the walk and the scratch: there dk, dv hold dK^T, dV^T
- * [D, BK], and qr, dr, dq go unused. */
+ * backward (bwd_pair_amx) shares the walk and the scratch: there dk, dv hold
+ * dK^T, dV^T [D, BK], and qr, dr, dq go unused. */
 typedef struct bwd_scratch_bf16 {
   uint32_t *kt, *vt; /* [D/2, BK]: K^T, V^T pairs along D, key c at [p * BK + c] (zeros past nk) */
   uint32_t *kr;      /* [BK/2, D]: K as pairs of keys, for dQ */
@@ -1177,6 +1182,7 @@ FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, const seq_t
  * key tile's dK^T, dV^T transposed as they are stored. dQ += dS K into the
  * split's partial in place. Query tiles start at an even query (the pairs of
  * Q^T). */
+
 /* probs_rows for the AMX backward, on 16 lanes and two rows (a pair of
  * queries) at a time: from pr, ds [nq, BK] (the raw products q.k and dP, read
  * only), P and dS as bf16 pairs of queries into pq, sq [ceil(nq / 2), BK]
@@ -1209,8 +1215,8 @@ FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, con
         }
       for (int y = 0; y < 2; ++y) {
         const int64_t at = r / 2 * BK + c + 16 * y;
-        _mm512_storeu_si512(pq + at, pairs16((__m256i)_mm512_cvtneps_pbh(P[0][y]), (__m256i)_mm512_cvtneps_pbh(P[1][y])));
-        _mm512_storeu_si512(sq + at, pairs16((__m256i)_mm512_cvtneps_pbh(S[0][y]), (__m256i)_mm512_cvtneps_pbh(S[1][y])));
+        _mm512_storeu_si512(pq + at, pairs16(bf16x16(P[0][y]), bf16x16(P[1][y])));
+        _mm512_storeu_si512(sq + at, pairs16(bf16x16(S[0][y]), bf16x16(S[1][y])));
       }
       for (int x = 0; x < rows; ++x)
         _mm512_storeu_si512(sk + (r + x) * (BK / 2) + c / 2, (__m512i)_mm512_cvtne2ps_pbh(S[x][1], S[x][0]));

@@ -99,8 +99,9 @@ static inline int64_t fo_amx_min16(int64_t n) { return n < 16 ? n : 16; }
  * place, partial ones (past M, N or K2) through zero-padded copies in st.
  * Nothing outside A's M x K2, B's K2 x N and C's M x N is read or written.
  * The thread must have called fo_amx_begin. */
-FO_AMX_TARGET static inline void fo_amx_gemm(int64_t M, int64_t N, int64_t K2, const void *A, int64_t lda, const void *B,
-                                      int64_t ldb, float *C, int64_t ldc, int accumulate, fo_amx_stage *st) {
+FO_AMX_TARGET static inline void fo_amx_gemm(int64_t M, int64_t N, int64_t K2, const void *A, int64_t lda,
+                                             const void *B, int64_t ldb, float *C, int64_t ldc, int accumulate,
+                                             fo_amx_stage *st) {
   const char *a = (const char *)A, *b = (const char *)B;
   for (int64_t i0 = 0; i0 < M; i0 += 32) {
     const int64_t mr = M - i0 < 32 ? M - i0 : 32;
@@ -161,7 +162,8 @@ FO_AMX_TARGET static inline void fo_amx_gemm(int64_t M, int64_t N, int64_t K2, c
       for (int t = 0; t < 4; ++t) { /* partial tiles: their rows back into C */
         if (ct[t] != st->c[t]) continue;
         float *at = C + (i0 + 16 * (t >> 1)) * ldc + j0 + 16 * (t & 1);
-        for (int64_t r = 0; r < crows[t]; ++r) memcpy(at + r * ldc, st->c[t] + r * 16, (size_t)ccols[t] * 4);
+        for (int64_t r = 0; r < crows[t]; ++r)
+          memcpy(at + r * ldc, st->c[t] + r * 16, (size_t)ccols[t] * 4);
       }
     }
   }

@@ -29,8 +29,8 @@
  * (arch=haswell) picked the baseline on an AMD EPYC. V4_BF16: v4 with
  * AVX512-BF16's dot products (vdpbf16ps), which the bf16 attention tiles use
  * (attention_cpu.c, in its v4 copy); AMX: V4_BF16 with Intel's AMX tiles
- * (AMX-TILE, AMX-BF16, and the kernel's permission to use them, asked at
- * load time: cpu_amx.h), which those tiles' products then run on. Every
+ * (AMX-TILE, AMX-BF16 and Linux's permission to use them, asked at load time
+ * by dtype_cpu.c; cpu_amx.h), which those tiles' products then run on. Every
  * other kernel runs its v4 copy at both. Each level has all below it. */
 enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5, FO_ISA_AMX = 6 };
 

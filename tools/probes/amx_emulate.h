@@ -40,17 +40,21 @@ static inline void fo_emu_loadconfig(const void *config) {
 
 static inline void fo_emu_release(void) { memset(&fo_emu, 0, sizeof fo_emu); }
 
-static inline void fo_emu_configured(int t) { fo_emu_need(fo_emu.config[0] == 1 && t >= 0 && t < 8 && fo_emu_rows(t)); }
+static inline void fo_emu_configured(int t) {
+  fo_emu_need(fo_emu.config[0] == 1 && t >= 0 && t < 8 && fo_emu_rows(t));
+}
 
 static inline void fo_emu_load(int t, const void *base, long stride) {
   fo_emu_configured(t);
   memset(fo_emu.tile[t], 0, 1024);
-  for (int r = 0; r < fo_emu_rows(t); ++r) memcpy(fo_emu.tile[t] + 64 * r, (const char *)base + r * stride, fo_emu_colsb(t));
+  for (int r = 0; r < fo_emu_rows(t); ++r)
+    memcpy(fo_emu.tile[t] + 64 * r, (const char *)base + r * stride, fo_emu_colsb(t));
 }
 
 static inline void fo_emu_store(int t, void *base, long stride) {
   fo_emu_configured(t);
-  for (int r = 0; r < fo_emu_rows(t); ++r) memcpy((char *)base + r * stride, fo_emu.tile[t] + 64 * r, fo_emu_colsb(t));
+  for (int r = 0; r < fo_emu_rows(t); ++r)
+    memcpy((char *)base + r * stride, fo_emu.tile[t] + 64 * r, fo_emu_colsb(t));
 }
 
 static inline void fo_emu_zero(int t) {
