@@ -154,9 +154,12 @@ def _shapes(device, quick, sweep):
 
 
 def _dtypes(device, quick):
-    if device.type == "cuda":
+    """bf16 on a GPU; fp32 and bf16 on a CPU, where --quick keeps bf16 (as
+    common.shape_grid does): the dtype whose CPU tiles change with the level
+    (AVX512-BF16, AMX) and where torch's SDPA runs oneDNN's bf16 kernels."""
+    if device.type == "cuda" or quick:
         return [torch.bfloat16]
-    return [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    return [torch.float32, torch.bfloat16]
 
 
 # Masks: (kind, S tokens, H, D, W window / documents' length range / softcap).

@@ -20,8 +20,9 @@ devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build of fusedops")
 
-# The x86-64 level the CPU kernels run at (csrc/common/dtype_cpu.c: 0, 3, 4, or
-# 5 = 4 with AVX512-BF16), read and set through the extension's C entry points.
+# The x86-64 level the CPU kernels run at (csrc/common/dtype_cpu.c: 0, 3, 4,
+# 5 = 4 with AVX512-BF16, or 6 = 5 with AMX tiles), read and set through the
+# extension's C entry points.
 CPU_LIB = ctypes.CDLL(fusedops._C.__file__)
 CPU_LIB.fo_cpu_isa.restype = ctypes.c_int
 CPU_LIB.fo_cpu_set_isa.argtypes = [ctypes.c_int]

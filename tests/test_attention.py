@@ -250,6 +250,21 @@ def test_cpu_bf16_without_dot_tiles(c):
         fused_and_check(c, "cpu")
 
 
+# On an Intel CPU with AMX (level 6) the bf16 tiles' products run on AMX tiles
+# (csrc/common/cpu_amx.h), and level 5 (vdpbf16ps) runs nowhere else there:
+# the same cases at each level from 5 up, forward and backward.
+NO_AMX = "no AMX tiles (level 6: AMX-TILE, AMX-BF16 and Linux's permission): the bf16 tiles run at level 5 or below"
+BF16_LEVELS = [5, 6]
+
+
+@pytest.mark.skipif(CPU_LEVEL < 6, reason=NO_AMX)
+@pytest.mark.parametrize("level", BF16_LEVELS)
+@pytest.mark.parametrize("c", BF16_TILE_CASES, ids=ids(BF16_TILE_CASES))
+def test_cpu_bf16_tiles_each_level(c, level):
+    with cpu_level(level):
+        fused_and_check(c, "cpu")
+
+
 POISON_CASES = [BASE, replace(BASE, Sq=17, Sk=129, causal=True, dtype=torch.float16),
                 replace(BASE, Sq=1, Sk=1, D=33, dtype=torch.float32), replace(BASE, layout="bhsd", Hkv=1)]
 

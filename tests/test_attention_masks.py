@@ -274,6 +274,19 @@ def test_cpu_bf16_without_dot_tiles(c):
         check_case(c, "cpu")
 
 
+# With AMX (level 6), every masked case of the bf16 tiles at each level from 5
+# up (test_attention.test_cpu_bf16_tiles_each_level).
+BF16_ALL = [c for c in ALL_CASES if c.dtype == torch.bfloat16 and c.D % 32 == 0]
+
+
+@pytest.mark.skipif(CPU_LEVEL < 6, reason=test_attention.NO_AMX)
+@pytest.mark.parametrize("level", test_attention.BF16_LEVELS)
+@pytest.mark.parametrize("c", BF16_ALL, ids=ids(BF16_ALL))
+def test_cpu_bf16_tiles_each_level(c, level):
+    with cpu_level(level):
+        check_case(c, "cpu")
+
+
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (4, 4)), (True, (9, 0))],
                          ids=["causal", "window", "causal-window"])
 def test_varlen_matches_padded(device, causal, window):

@@ -20,7 +20,7 @@ LIB.fo_cpu_convert.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.
 LIB.fo_cpu_convert.restype = ctypes.c_int
 
 HW_LEVEL = CPU_LEVEL
-LEVELS = [lvl for lvl in (0, 3, 4, 5) if lvl <= HW_LEVEL]
+LEVELS = [lvl for lvl in (0, 3, 4, 5, 6) if lvl <= HW_LEVEL]
 FO_DTYPE = {torch.float16: 1, torch.bfloat16: 2}  # csrc/common/fo_types.h
 DTYPES = list(FO_DTYPE)
 

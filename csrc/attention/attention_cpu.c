@@ -19,10 +19,12 @@
  * before the softmax; the backward multiplies dS by its derivative 1 - tanh^2.
  *
  * FLOPs: 4 B Hq Sq Sk D forward (halved when causal), 2.5x that backward
- * (the five tile products; S is recomputed). Every product goes through one
- * register-blocked kernel (gemm_tile, 4 x 16 fp32 block: 8 AVX2 accumulators);
- * exp is a polynomial exp2 so that the softmax loops vectorise too.
- * Measured (2 Zen 4 cores): docs/perf-notes.md. */
+ * (the five tile products; S is recomputed). Every product of the fp32 tiles
+ * goes through one register-blocked kernel (gemm_tile, 4 x 16 fp32 block: 8
+ * AVX2 accumulators); bf16 inputs with D a multiple of 32 take bf16 tiles
+ * whose products run on AVX512-BF16 (gemm_bf16, level 5) or on AMX tiles
+ * (fo_amx_gemm, level 6, cpu_amx.h). exp is a polynomial exp2 so that the
+ * softmax loops vectorise too. Measured: docs/perf/log/attention.md. */
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
@@ -31,6 +33,7 @@
 #include "attention.h"
 #include "../common/cpu_dtype.h"
 #include "../common/cpu_scratch.h"
+#include "../common/cpu_amx.h"
 
 /* -std=c11 turns floating-point contraction off; the tile products want FMA.
  * The vector code is written out (v8f below); the SLP vectoriser only got in
@@ -44,6 +47,8 @@
 #endif
 
 enum { BQ = 64, BK = 64 }; /* query and key tile sizes */
+/* The AMX tiles (cpu_amx.h) in this copy: the v4 one, where the compiler builds them. */
+#define ATTN_AMX (FO_LEVEL >= 4 && FO_AMX)
 #define LOG2E 1.4426950408889634f
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -78,21 +83,20 @@ FO_INLINE float v8_hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* 2^f on [0, 1): a degree-5 polynomial (relative error 1.5e-7), highest
+ * coefficient first. */
+static const float exp2_poly[6] = {0.0018762329f, 0.0089925844f, 0.055823606f, 0.24015453f, 0.69315296f, 1.0f};
+
 /* 2^x lane-wise for x <= 0 (and a little above), 0 below -126 (-inf too):
- * exponent bits plus a degree-5 polynomial for 2^f on [0, 1) (relative error
- * 1.5e-7). */
+ * exponent bits times exp2_poly. */
 FO_INLINE v8f v8_exp2(v8f x) {
   const v8i under = x < v8_splat(-126.0f);
   v8f xc = v8_select(under, v8_splat(-126.0f), x);
   xc = v8_select(xc > v8_splat(127.0f), v8_splat(127.0f), xc);
   const v8i t = __builtin_convertvector(xc + 127.0f, v8i); /* floor(xc) + 127: xc + 127 >= 1 */
   const v8f f = xc - __builtin_convertvector(t - 127, v8f);
-  v8f p = v8_splat(0.0018762329f);
-  p = p * f + 0.0089925844f;
-  p = p * f + 0.055823606f;
-  p = p * f + 0.24015453f;
-  p = p * f + 0.69315296f;
-  p = p * f + 1.0f;
+  v8f p = v8_splat(exp2_poly[0]);
+  for (int i = 1; i < 6; ++i) p = p * f + exp2_poly[i];
   return v8_select(under, v8_splat(0.0f), p * (v8f)(t << 23));
 }
 
@@ -184,18 +188,47 @@ static inline int64_t q_off(const fo_attn_strides *s, int64_t b, int64_t i, int6
 
 /* ------------------------------------------------------ sequences, masks */
 
-/* One sequence of a call: padded, batch entry b (Sq queries, Sk keys);
+/* Sequence b of a call: padded, batch entry b (Sq queries, Sk keys);
  * varlen, packed sequence b. Its query i is row q0 + i of batch entry bb of
  * the tensors (bb: 0 in varlen, where batch strides are unused), key j row
  * k0 + j. Masks (fo_attn_keys) count i and j from the sequence's start. */
 typedef struct seq_t {
-  int64_t bb, q0, k0, sq, sk;
+  int64_t b, bb, q0, k0, sq, sk;
 } seq_t;
 
 static inline seq_t seq_of(const fo_attn_params *p, int64_t b) {
-  if (!p->cu_seqlens_q) return (seq_t){b, 0, 0, p->Sq, p->Sk};
+  if (!p->cu_seqlens_q) return (seq_t){b, b, 0, 0, p->Sq, p->Sk};
   const int32_t *cq = p->cu_seqlens_q, *ck = p->cu_seqlens_k;
-  return (seq_t){0, cq[b], ck[b], cq[b + 1] - cq[b], ck[b + 1] - ck[b]};
+  return (seq_t){b, 0, cq[b], ck[b], cq[b + 1] - cq[b], ck[b + 1] - ck[b]};
+}
+
+/* first[b], b <= B: over the sequences before b, the sum of heads x (their
+ * keys, or queries, in tiles of `tile`): a call's tasks of (head, tile),
+ * sequence by sequence (first[B]: the count), or with tile 2, offsets of
+ * pairs. NULL: out of memory. */
+static int64_t *seq_prefix(const fo_attn_params *p, int keys, int64_t tile, int64_t heads) {
+  int64_t *first = malloc(sizeof(int64_t) * (size_t)(p->B + 1));
+  if (!first) return NULL;
+  first[0] = 0;
+  for (int64_t b = 0; b < p->B; ++b) {
+    const seq_t s = seq_of(p, b);
+    first[b + 1] = first[b] + heads * (((keys ? s.sk : s.sq) + tile - 1) / tile);
+  }
+  return first;
+}
+
+/* Task `task` of seq_prefix(p, keys, tile, heads): its sequence *s, head *h
+ * and tile *t (the last b with first[b] <= task, found by bisection). */
+static void task_of(const fo_attn_params *p, const int64_t *first, int keys, int64_t tile, int64_t task, seq_t *s,
+                    int64_t *h, int64_t *t) {
+  int64_t a = 0, b = p->B - 1;
+  while (a < b) {
+    const int64_t m = a + (b - a + 1) / 2;
+    if (first[m] <= task) a = m; else b = m - 1;
+  }
+  *s = seq_of(p, a);
+  const int64_t tiles = ((keys ? s->sk : s->sq) + tile - 1) / tile;
+  *t = (task - first[a]) % tiles, *h = (task - first[a]) / tiles;
 }
 
 /* Rows of each (batch entry, q head) in the backward's scratch (delta, the
@@ -581,70 +614,315 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, const seq_t
 }
 #endif
 
-/* Whether a call takes the bf16 tiles (the forward above, the backward below). */
-#if FO_LEVEL >= 4
-static int bf16_dot_tiles(const fo_attn_params *p) {
-  return p->dtype == FO_BF16 && p->D % 32 == 0 && fo_cpu_isa() >= FO_ISA_V4_BF16;
+/* For the AMX tiles: a call's keys (forward: K^T and V) or queries
+ * (backward: Q^T and dO^T) packed once, in parallel, into the layouts of the
+ * products that read them (pack_all): for each sequence s and head, D x
+ * packed_len(s) words at packed_at. */
+enum { PACK_ROWS = 64 }; /* keys or queries a packing task */
+/* Words added to every packed row: rows a power of two of 4 KiB apart (1024
+ * keys) would all fall in one set of the L1 cache, which a tile's 16 rows
+ * then overflow. */
+enum { PACK_PAD = 32 };
+typedef struct packed_amx {
+  int64_t *first; /* seq_prefix(p, keys, 2, 2): the even lengths of the sequences before b */
+  int64_t *tasks; /* seq_prefix(p, keys, PACK_ROWS, heads) */
+  uint32_t *buf;
+  int64_t heads;
+  int keys;
+} packed_amx;
+
+/* The words a packed sequence takes for each element of D: its K^T row (a
+ * word a key), or its Q^T and dO^T rows (a word a pair of queries, each);
+ * its keys or queries rounded up to even, plus PACK_PAD. */
+static inline int64_t packed_len(const seq_t *s, int keys) { return round_up(keys ? s->sk : s->sq, 2) + PACK_PAD; }
+
+/* 0: out of memory (packed_free frees what was had). */
+static inline int packed_init(packed_amx *pk, const fo_attn_params *p, int keys) {
+  pk->keys = keys, pk->heads = keys ? p->Hkv : p->Hq;
+  pk->first = seq_prefix(p, keys, 2, 2);
+  pk->tasks = seq_prefix(p, keys, PACK_ROWS, pk->heads);
+  pk->buf = pk->first ? malloc(sizeof(uint32_t) * (size_t)((pk->first[p->B] + PACK_PAD * p->B) * pk->heads * p->D))
+                      : NULL;
+  return pk->tasks && pk->buf;
+}
+
+static inline void packed_free(packed_amx *pk) { free(pk->first), free(pk->tasks), free(pk->buf); }
+
+static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p, const seq_t *s, int64_t h) {
+  return pk->buf + ((pk->first[s->b] + PACK_PAD * s->b) * pk->heads + h * packed_len(s, pk->keys)) * p->D;
+}
+
+#if ATTN_AMX
+/* ------------------------------------------------ forward, bf16 on AMX tiles
+ * At level FO_ISA_AMX the bf16 tiles' products run on AMX (fo_amx_gemm,
+ * cpu_amx.h: 16 x 16 fp32 tiles), whose A operand holds its pairs along the
+ * product's inner dimension, read in place: S = Q K^T with Q rows read in
+ * place, a row-wise online softmax on 16 lanes (softmax_amx) that writes P
+ * as bf16 pairs of keys, O += P V. Their B operands, K^T pairs along D and V
+ * pairs of keys, are packed once a call for every sequence and kv head
+ * (pack_keys), so that a key tile starting at any even key reads them in
+ * place. With the products this cheap the softmax is most of the time: it
+ * writes no fp32 P, and its key tiles are twice as wide (BKA). */
+#define FO_TARGET_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
+
+/* The AMX forward's key tile: twice the others', so that each row's work per
+ * tile (its max and sum reductions, the rescaling) spreads over more keys,
+ * now that the products cost less than the softmax. */
+enum { BKA = 128 };
+
+/* 2^x on 16 lanes for x <= 0: exp2_poly of f = x - floor(x), scaled by
+ * 2^floor(x) (vscalefps: subnormal below -126, 0 from -200 on and for -inf);
+ * NaN stays NaN. */
+FO_TARGET_AMX static inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x); /* on a NaN, max returns its second operand */
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 q = _mm512_set1_ps(exp2_poly[0]);
+  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(exp2_poly[i]));
+  return _mm512_scalef_ps(q, n);
+}
+
+/* log2_scores on 16 lanes (soft-capped: as two halves of 8). */
+FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512 raw, __m512 *t) {
+  if (p->softcap > 0.0f) {
+    v8f t0, t1;
+    const v8f lo = log2_scores(p, (v8f)_mm512_castps512_ps256(raw), &t0);
+    const v8f hi = log2_scores(p, (v8f)_mm512_extractf32x8_ps(raw, 1), &t1);
+    *t = _mm512_insertf32x8(_mm512_castps256_ps512((__m256)t0), (__m256)t1, 1);
+    return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+  }
+  *t = _mm512_setzero_ps();
+  return _mm512_mul_ps(raw, _mm512_set1_ps(p->scale * LOG2E));
+}
+
+/* 16 floats rounded to bf16. */
+FO_TARGET_AMX static inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* Lanes c..c+15 of a key tile of nk keys starting at key j0 that row r sees
+ * (every lane below nk when the whole tile is seen by every row). */
+FO_TARGET_AMX static inline __mmask16 visible16(const tile_keys *tk, int64_t r, int64_t j0, int64_t c, int64_t nk,
+                                                int whole) {
+  const __m512i col = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32((int32_t)c));
+  __mmask16 vis = _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)nk));
+  if (!whole)
+    vis &= _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->lo[r] - j0))) &
+           _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->hi[r] - j0)));
+  return vis;
+}
+
+/* Keys j0.. (n of them, j0 even) of sequence s, kv head hk, packed at dst =
+ * packed_at: K^T pairs [D/2, lk] (key j at column j), then V pairs of keys
+ * [lk/2, D] (an odd last key paired with zeros); lk = packed_len. */
+FO_TARGET_AMX static void pack_keys(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t j0, int64_t n,
+                                    uint32_t *dst) {
+  const int64_t D = p->D, lk = packed_len(s, 1);
+  const uint16_t *k = (const uint16_t *)p->k, *v = (const uint16_t *)p->v;
+  uint32_t *vp = dst + D / 2 * lk;
+  pack_pairs_t(dst + j0, lk, k, q_off(&p->k_st, s->bb, s->k0 + j0, hk), p->k_st.seq, n, D / 2);
+  for (int64_t j = j0; j < j0 + n; j += 2)
+    pack_rows2(vp + j / 2 * D, v + q_off(&p->v_st, s->bb, s->k0 + j, hk),
+               j + 1 < s->sk ? v + q_off(&p->v_st, s->bb, s->k0 + j + 1, hk) : NULL, D);
+}
+
+/* Queries i0.. (n of them, i0 even) of sequence s, q head h, packed at dst =
+ * packed_at: Q^T, then dO^T, each [D, lq] pairs of queries (queries 2c,
+ * 2c + 1 at column c; an odd last one paired with zeros), lq = packed_len / 2. */
+FO_TARGET_AMX static void pack_queries(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t n,
+                                       uint32_t *dst) {
+  const int64_t D = p->D, lq = packed_len(s, 0) / 2;
+  const uint16_t *src[2] = {(const uint16_t *)p->q, (const uint16_t *)p->dout};
+  const fo_attn_strides *st[2] = {&p->q_st, &p->dout_st};
+  for (int x = 0; x < 2; ++x)
+    for (int64_t i = i0; i < i0 + n; i += 2) {
+      const uint16_t *a = src[x] + q_off(st[x], s->bb, s->q0 + i, h);
+      const uint16_t *b = i + 1 < s->sq ? src[x] + q_off(st[x], s->bb, s->q0 + i + 1, h) : NULL;
+      uint32_t *col = dst + x * D * lq + i / 2;
+      for (int64_t d = 0; d < D; ++d) col[d * lq] = (uint32_t)a[d] | (uint32_t)(b ? b[d] : 0) << 16;
+    }
+}
+
+/* Packs pk (inside the parallel region: a worksharing loop, every thread calls it). */
+FO_TARGET_AMX static void pack_all(const fo_attn_params *p, const packed_amx *pk) {
+#pragma omp for schedule(dynamic)
+  for (int64_t task = 0; task < pk->tasks[p->B]; ++task) {
+    seq_t s;
+    int64_t h, t;
+    task_of(p, pk->tasks, pk->keys, PACK_ROWS, task, &s, &h, &t);
+    const int64_t r0 = t * PACK_ROWS, n = min64(PACK_ROWS, (pk->keys ? s.sk : s.sq) - r0);
+    uint32_t *dst = packed_at(pk, p, &s, h);
+    if (pk->keys) pack_keys(p, &s, h, r0, n, dst);
+    else pack_queries(p, &s, h, r0, n, dst);
+  }
+}
+
+/* The online softmax of rows [0, nq) of a query tile against the key tile
+ * j0.. (nk keys) for the AMX forward, on 16 lanes: s [nq, BKA] the raw
+ * products q.k (masked: keys past nk, and those a row does not see unless
+ * every row sees the whole tile), replaced by the scores; P = exp2(score - m)
+ * into pa [nq, BKA/2] as bf16 pairs of keys (0 from nk up to nk rounded to
+ * 32), never as fp32; m, l and the output rows o [nq, ldo] as in
+ * softmax_rows, the new maxima and the rescaling factors 16 rows a vector. */
+FO_TARGET_AMX static void softmax_amx(const fo_attn_params *p, const tile_keys *tk, int64_t j0, int64_t nq,
+                                      int64_t nk, float *s_tile, uint32_t *pa, float *m, float *l, float *o_tile,
+                                      int64_t ldo) {
+  const int64_t nk32 = round_up(nk, 32);
+  const int whole = tk->all_lo <= j0 && j0 + nk <= tk->all_hi;
+  float mt[BQ], shift[BQ], alpha[BQ];
+  for (int64_t r = 0; r < nq; ++r) {
+    float *s = s_tile + r * BKA;
+    __m512 mx = _mm512_set1_ps(-INFINITY), t;
+    for (int64_t c = 0; c < nk32; c += 16) {
+      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible16(tk, r, j0, c, nk, whole),
+                                          log2_scores16(p, _mm512_loadu_ps(s + c), &t));
+      _mm512_storeu_ps(s + c, x);
+      mx = _mm512_max_ps(x, mx); /* a NaN score is never the max: max returns its second operand */
+    }
+    mt[r] = _mm512_reduce_max_ps(mx);
+  }
+  for (int64_t r0 = 0; r0 < nq; r0 += 16) {
+    const __mmask16 k = nq - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (nq - r0)) - 1);
+    const __m512 m_old = _mm512_maskz_loadu_ps(k, m + r0);
+    const __m512 m_new = _mm512_max_ps(_mm512_maskz_loadu_ps(k, mt + r0), m_old);
+    /* nothing visible yet: no shift */
+    const __m512 sh = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                         _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(m + r0, k, m_new);
+    _mm512_mask_storeu_ps(shift + r0, k, sh);
+    _mm512_mask_storeu_ps(alpha + r0, k, exp2_16(_mm512_sub_ps(m_old, sh)));
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const float *s = s_tile + r * BKA;
+    const __m512 sh = _mm512_set1_ps(shift[r]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nk32; c += 32) {
+      const __m512 e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + c), sh));
+      const __m512 e1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + c + 16), sh));
+      acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pa + r * (BKA / 2) + c / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(acc);
+    if (alpha[r] != 1.0f) {
+      float *o = o_tile + r * ldo;
+      for (int64_t d = 0; d < ldo; ++d) o[d] *= alpha[r];
+    }
+  }
+}
+
+typedef struct fwd_scratch_amx {
+  uint32_t *qa; /* [BQ, D/2]: Q rows, where an odd row stride keeps them from being read in place */
+  uint32_t *pa; /* [BQ, BKA/2]: P rows as bf16 pairs of keys */
+  float *s;     /* [BQ, BKA]: the products q.k, then the scores */
+  float *o;     /* [BQ, D] */
+  fo_amx_stage *stage;
+  float m[BQ], l[BQ];
+  tile_keys keys;
+} fwd_scratch_amx;
+
+static uint32_t *fwd_scratch_amx_init(fwd_scratch_amx *w, int64_t D) {
+  carver c = {NULL, 0};
+  do {
+    w->qa = take(&c, BQ * D / 2);
+    w->pa = take(&c, BQ * BKA / 2);
+    w->s = take(&c, BQ * BKA);
+    w->o = take(&c, BQ * D);
+    w->stage = take(&c, sizeof(fo_amx_stage) / 4);
+  } while (carve_again(&c));
+  return c.base;
+}
+
+/* One tile of BQ query rows (queries i0.. of s, head h) against the keys of
+ * its kv head packed at kv (pack_keys). */
+FO_TARGET_AMX static void fwd_tile_amx(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0,
+                                       const uint32_t *kv, fwd_scratch_amx *w) {
+  const int64_t D = p->D, D2 = D / 2, lk = packed_len(s, 1), nq = min64(BQ, s->sq - i0);
+  const tile_keys *tk = &w->keys;
+  const uint32_t *kt = kv, *vp = kv + D2 * lk;
+  int64_t qrs;
+  const pair_u *qa = rows_as_pairs((const uint16_t *)p->q, &p->q_st, s->bb, s->q0 + i0, h, nq, nq, D, w->qa, &qrs);
+  start_rows(nq, w->o, D, w->m, w->l);
+  keys_of_rows(p, s, i0, nq, &w->keys);
+  /* key tiles from an even key: V's pairs of keys */
+  for (int64_t j0 = tk->jlo & ~(int64_t)1; j0 < tk->jhi; j0 += BKA) {
+    const int64_t nk = min64(BKA, tk->jhi - j0);
+    fo_amx_gemm(nq, nk, D2, qa, qrs, kt + j0, lk, w->s, BKA, 0, w->stage); /* s = q k^T */
+    softmax_amx(p, tk, j0, nq, nk, w->s, w->pa, w->m, w->l, w->o, D);
+    fo_amx_gemm(nq, D, (nk + 1) / 2, w->pa, BKA / 2, vp + j0 / 2 * D, D, w->o, D, 1, w->stage); /* o += p v */
+  }
+  store_rows(p, s, h, i0, nq, w->m, w->l, w->o, D);
 }
 #endif
 
-/* The forward's tasks, sequence by sequence: sequence b has Hq x (its query
- * tiles) of them, from first[b] on (first[B]: the count). NULL: out of memory. */
-static int64_t *fwd_tasks(const fo_attn_params *p) {
-  int64_t *first = malloc(sizeof(int64_t) * (size_t)(p->B + 1));
-  if (!first) return NULL;
-  first[0] = 0;
-  for (int64_t b = 0; b < p->B; ++b) first[b + 1] = first[b] + p->Hq * ((seq_of(p, b).sq + BQ - 1) / BQ);
-  return first;
-}
-
-/* The sequence that task belongs to: the last b with first[b] <= task. */
-static int64_t task_seq(const int64_t *first, int64_t B, int64_t task) {
-  int64_t a = 0, b = B - 1;
-  while (a < b) {
-    const int64_t m = a + (b - a + 1) / 2;
-    if (first[m] <= task) a = m; else b = m - 1;
-  }
-  return a;
+/* The tiles a call takes: fp32 (every dtype and head dim), or, for bf16 with D
+ * a multiple of 32, the bf16 tiles with their products on vdpbf16ps (level
+ * FO_ISA_V4_BF16) or on AMX (FO_ISA_AMX, where the compiler builds it). */
+enum { TILES_F32, TILES_BF16, TILES_AMX };
+static int tiles_of(const fo_attn_params *p) {
+  if (FO_LEVEL < 4 || p->dtype != FO_BF16 || p->D % 32) return TILES_F32;
+  const int isa = fo_cpu_isa();
+  return isa >= FO_ISA_AMX && ATTN_AMX ? TILES_AMX : isa >= FO_ISA_V4_BF16 ? TILES_BF16 : TILES_F32;
 }
 
 const char *FO_FN(fo_attn_fwd_cpu)(const fo_attn_params *p) {
   const int64_t Dp = round_up(p->D, 16);
-  int64_t *first = fwd_tasks(p);
-  if (!first) return FO_CPU_OOM;
+  const int tiles = tiles_of(p);
+  int64_t *first = seq_prefix(p, 0, BQ, p->Hq);
+  packed_amx kv = {0}; /* AMX: K^T and V, packed */
+  if (!first || (tiles == TILES_AMX && !packed_init(&kv, p, 1))) {
+    free(first), packed_free(&kv);
+    return FO_CPU_OOM;
+  }
   const int64_t tasks = first[p->B];
-#if FO_LEVEL >= 4
-  const int bf16_dot = bf16_dot_tiles(p);
-#endif
   int missing = 0;
 #pragma omp parallel if (fo_parallel(tasks, fo_attn_cpu_rows(p) * p->Sk * p->D))
   {
     fwd_scratch w = {0};
 #if FO_LEVEL >= 4
     fwd_scratch_bf16 wb = {0};
-    uint32_t *block = bf16_dot ? fwd_scratch_bf16_init(&wb, p->D) : fwd_scratch_init(&w, Dp);
-#else
-    uint32_t *block = fwd_scratch_init(&w, Dp);
 #endif
+#if ATTN_AMX
+    fwd_scratch_amx wa = {0};
+#endif
+    uint32_t *block;
+    switch (tiles) {
+#if FO_LEVEL >= 4
+    case TILES_BF16: block = fwd_scratch_bf16_init(&wb, p->D); break;
+#endif
+#if ATTN_AMX
+    case TILES_AMX: block = fwd_scratch_amx_init(&wa, p->D); break;
+#endif
+    default: block = fwd_scratch_init(&w, Dp);
+    }
     if (fo_every_thread_has(block, &missing)) {
+#if ATTN_AMX
+      if (tiles == TILES_AMX) {
+        pack_all(p, &kv);
+        fo_amx_begin();
+      }
+#endif
       /* dynamic: tiles differ in cost (causal, windows, sequence lengths) */
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t b = task_seq(first, p->B, task);
-        const seq_t s = seq_of(p, b);
-        const int64_t qtiles = (s.sq + BQ - 1) / BQ, it = (task - first[b]) % qtiles, h = (task - first[b]) / qtiles;
+        seq_t s;
+        int64_t h, it;
+        task_of(p, first, 0, BQ, task, &s, &h, &it);
+        switch (tiles) {
 #if FO_LEVEL >= 4
-        if (bf16_dot) {
-          fwd_tile_bf16(p, &s, h, it * BQ, &wb);
-          continue;
-        }
+        case TILES_BF16: fwd_tile_bf16(p, &s, h, it * BQ, &wb); break;
 #endif
-        fwd_tile(p, &s, h, it * BQ, &w);
+#if ATTN_AMX
+        case TILES_AMX: fwd_tile_amx(p, &s, h, it * BQ, packed_at(&kv, p, &s, h / (p->Hq / p->Hkv)), &wa); break;
+#endif
+        default: fwd_tile(p, &s, h, it * BQ, &w);
+        }
       }
+#if ATTN_AMX
+      if (tiles == TILES_AMX) fo_amx_end();
+#endif
     }
     free(block);
   }
-  free(first);
+  free(first), packed_free(&kv);
   return missing ? FO_CPU_OOM : NULL;
 }
 FO_ENTRY(const char *, fo_attn_fwd_cpu, (const fo_attn_params *p), (p))
@@ -742,16 +1020,18 @@ FO_INLINE void add_rows(float *dst, int64_t ldd, const float *src, int64_t lds, 
 }
 
 /* A key tile's finished dk (times scale) and dv rows, keys j0.. (nk of them)
- * of s, kv head hk, from fp32 tiles with rows ld apart. */
+ * of s, kv head hk, from fp32 tiles holding key r, column d at r rs + d cs
+ * (rows: cs = 1; dK^T, dV^T: rs = 1). tmp: 2 D floats. */
 FO_INLINE void store_dkdv(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t j0, int64_t nk,
-                          float *dk_tile, const float *dv_tile, int64_t ld) {
+                          const float *dk_tile, const float *dv_tile, int64_t rs, int64_t cs, float *tmp) {
   const fo_dtype t = p->dtype;
+  const int64_t D = p->D;
   for (int64_t r = 0; r < nk; ++r) {
-    float *dk = dk_tile + r * ld;
-    for (int64_t d = 0; d < p->D; ++d) dk[d] *= p->scale;
+    for (int64_t d = 0; d < D; ++d)
+      tmp[d] = dk_tile[r * rs + d * cs] * p->scale, tmp[D + d] = dv_tile[r * rs + d * cs];
     const int64_t j = s->k0 + j0 + r;
-    fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, s->bb, j, hk) * fo_dtype_size(t), dk, p->D);
-    fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, s->bb, j, hk) * fo_dtype_size(t), dv_tile + r * ld, p->D);
+    fo_store_row(t, (char *)p->dk + q_off(&p->dk_st, s->bb, j, hk) * fo_dtype_size(t), tmp, D);
+    fo_store_row(t, (char *)p->dv + q_off(&p->dv_st, s->bb, j, hk) * fo_dtype_size(t), tmp + D, D);
   }
 }
 
@@ -802,19 +1082,21 @@ static void bwd_task(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_
       keys_of_rows(p, s, i0, nq, &w->keys);
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) bwd_pair(p, s, h, i0, nq, j0, nk, delta, dq_part, w);
     }
-    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, Dp);
+    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, Dp, 1, w->tmp);
   }
 }
 
 #if FO_LEVEL >= 4
 /* ------------------------------------------ backward, bf16 with AVX512-BF16
- * Where the forward takes its bf16 tiles (bf16_dot_tiles), the backward's five
+ * Where the forward takes its bf16 tiles (tiles_of), the backward's five
  * products run on vdpbf16ps too, each operand as bf16 pairs along the
  * product's inner dimension: S = Q K^T and dP = dO V^T with Q, dO rows read
  * in place and K^T, V^T packed once per key tile; dV += P^T dO and dK += dS^T
  * Q over pairs of queries; dQ = dS K over pairs of keys (K packed once per
  * key tile). P and dS are rounded to bf16 for the last three, as the GPU
- * kernels do; everything else is fp32, as in the fp32 tiles. */
+ * kernels do; everything else is fp32, as in the fp32 tiles. The AMX
+ * backward (bwd_pair_amx) shares the walk and the scratch: there dk, dv hold
+ * dK^T, dV^T [D, BK], and qr, dr, dq go unused. */
 typedef struct bwd_scratch_bf16 {
   uint32_t *kt, *vt; /* [D/2, BK]: K^T, V^T pairs along D, key c at [p * BK + c] (zeros past nk) */
   uint32_t *kr;      /* [BK/2, D]: K as pairs of keys, for dQ */
@@ -826,6 +1108,9 @@ typedef struct bwd_scratch_bf16 {
   float *dk, *dv;    /* [BK, D] */
   float *dq;         /* [BQ, D] */
   float *tmp;        /* [2 D]: delta's two rows, a row of dQ */
+#if ATTN_AMX
+  fo_amx_stage *stage;
+#endif
   tile_keys keys;    /* of the query tile in hand */
 } bwd_scratch_bf16;
 
@@ -848,6 +1133,9 @@ static uint32_t *bwd_scratch_bf16_init(bwd_scratch_bf16 *w, int64_t D) {
     w->dv = take(&c, BK * D);
     w->dq = take(&c, BQ * D);
     w->tmp = take(&c, 2 * D);
+#if ATTN_AMX
+    w->stage = take(&c, sizeof(fo_amx_stage) / 4);
+#endif
   } while (carve_again(&c));
   return c.base;
 }
@@ -883,8 +1171,80 @@ FO_TARGET_V4_BF16 static void bwd_pair_bf16(const fo_attn_params *p, const seq_t
   add_rows(dq_part + row0 * D, D, w->dq, D, nq, D);
 }
 
+#if ATTN_AMX
+/* ------------------------------------------------ backward, bf16 on AMX tiles
+ * The backward of the bf16 tiles with its five products on AMX, every A
+ * operand read in place with its pairs along the product's inner dimension:
+ * S = Q K^T and dP = dO V^T as at level V4_BF16 (Q, dO rows in place; K^T,
+ * V^T packed once per key tile); dV^T += dO^T P and dK^T += Q^T dS, so that
+ * the A operands are Q^T and dO^T as pairs of queries, packed once a call
+ * (pack_queries), and P, dS the B operands, two rows of queries a row; the
+ * key tile's dK^T, dV^T transposed as they are stored. dQ += dS K into the
+ * split's partial in place. Query tiles start at an even query (the pairs of
+ * Q^T). */
+
+/* probs_rows for the AMX backward, on 16 lanes and two rows (a pair of
+ * queries) at a time: from pr, ds [nq, BK] (the raw products q.k and dP, read
+ * only), P and dS as bf16 pairs of queries into pq, sq [ceil(nq / 2), BK]
+ * (the B operands of dV^T, dK^T; an odd last query paired with zeros) and dS
+ * as bf16 pairs of keys into sk [nq, BK/2] (the A operand of dQ); columns
+ * from nk up to nk rounded to 32 get 0. */
+FO_TARGET_AMX static void probs_amx(const fo_attn_params *p, const seq_t *s, const tile_keys *tk, int64_t h,
+                                    int64_t i0, int64_t j0, int64_t nq, int64_t nk, const float *delta,
+                                    const float *pr, const float *ds, uint32_t *pq, uint32_t *sq, uint32_t *sk) {
+  const int64_t nk32 = round_up(nk, 32);
+  const int whole = tk->all_lo <= j0 && j0 + nk <= tk->all_hi;
+  for (int64_t r = 0; r < nq; r += 2) {
+    const int rows = r + 1 < nq ? 2 : 1;
+    float lse2[2], dl[2];
+    for (int x = 0; x < rows; ++x) lse2[x] = *lse_at(p, s, h, i0 + r + x) * LOG2E, dl[x] = delta[r + x];
+    for (int64_t c = 0; c < nk32; c += 32) {
+      __m512 P[2][2], S[2][2]; /* [row][half] */
+      for (int x = 0; x < 2; ++x)
+        for (int y = 0; y < 2; ++y) {
+          P[x][y] = S[x][y] = _mm512_setzero_ps();
+          if (x >= rows) continue;
+          const int64_t at = (r + x) * BK + c + 16 * y;
+          const __mmask16 vis = visible16(tk, r + x, j0, c + 16 * y, nk, whole);
+          __m512 t;
+          const __m512 sc = log2_scores16(p, _mm512_loadu_ps(pr + at), &t);
+          P[x][y] = _mm512_maskz_mov_ps(vis, exp2_16(_mm512_sub_ps(sc, _mm512_set1_ps(lse2[x]))));
+          __m512 d = _mm512_mul_ps(P[x][y], _mm512_sub_ps(_mm512_loadu_ps(ds + at), _mm512_set1_ps(dl[x])));
+          if (p->softcap > 0.0f) d = _mm512_mul_ps(d, _mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0f)));
+          S[x][y] = _mm512_maskz_mov_ps(vis, d);
+        }
+      for (int y = 0; y < 2; ++y) {
+        const int64_t at = r / 2 * BK + c + 16 * y;
+        _mm512_storeu_si512(pq + at, pairs16(bf16x16(P[0][y]), bf16x16(P[1][y])));
+        _mm512_storeu_si512(sq + at, pairs16(bf16x16(S[0][y]), bf16x16(S[1][y])));
+      }
+      for (int x = 0; x < rows; ++x)
+        _mm512_storeu_si512(sk + (r + x) * (BK / 2) + c / 2, (__m512i)_mm512_cvtne2ps_pbh(S[x][1], S[x][0]));
+    }
+  }
+}
+
+FO_TARGET_AMX static void bwd_pair_amx(const fo_attn_params *p, const seq_t *s, int64_t h, int64_t i0, int64_t nq,
+                                       int64_t j0, int64_t nk, const float *delta, float *dq_part,
+                                       const uint32_t *qd, bwd_scratch_bf16 *w) {
+  const int64_t D = p->D, D2 = D / 2, lq = packed_len(s, 0) / 2, nq2 = (nq + 1) / 2;
+  const int64_t i = s->q0 + i0, row0 = scratch_row(p, s, h, i0); /* of delta and dq_part */
+  int64_t qrs, drs;
+  const pair_u *qa = rows_as_pairs((const uint16_t *)p->q, &p->q_st, s->bb, i, h, nq, nq, D, w->qa, &qrs);
+  const pair_u *da = rows_as_pairs((const uint16_t *)p->dout, &p->dout_st, s->bb, i, h, nq, nq, D, w->da, &drs);
+  fo_amx_gemm(nq, nk, D2, qa, qrs, w->kt, BK, w->pr, BK, 0, w->stage); /* s = q k^T */
+  fo_amx_gemm(nq, nk, D2, da, drs, w->vt, BK, w->ds, BK, 0, w->stage); /* dp = dout v^T */
+  probs_amx(p, s, &w->keys, h, i0, j0, nq, nk, delta + row0, w->pr, w->ds, w->pq, w->sq, w->sk);
+  fo_amx_gemm(D, nk, nq2, qd + D * lq + i0 / 2, lq, w->pq, BK, w->dv, BK, 1, w->stage); /* dv^T += dout^T p */
+  fo_amx_gemm(D, nk, nq2, qd + i0 / 2, lq, w->sq, BK, w->dk, BK, 1, w->stage);          /* dk^T += q^T ds */
+  fo_amx_gemm(nq, D, (nk + 1) / 2, w->sk, BK / 2, w->kr, D, dq_part + row0 * D, D, 1, w->stage); /* dq += ds k */
+}
+#endif
+
+/* One task (bwd_task's) on the bf16 tiles: products on vdpbf16ps, or on AMX
+ * where qd, the call's Q^T and dO^T packed (pack_queries), is given. */
 FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, const seq_t *s, int64_t hk, int64_t split,
-                                            const float *delta, bwd_scratch_bf16 *w) {
+                                            const float *delta, const packed_amx *qd, bwd_scratch_bf16 *w) {
   const int64_t D = p->D, D2 = D / 2, G = p->Hq / p->Hkv;
   const int64_t ktiles = (s->sk + BK - 1) / BK;
   const uint16_t *k = (const uint16_t *)p->k, *v = (const uint16_t *)p->v;
@@ -902,13 +1262,22 @@ FO_TARGET_V4_BF16 static void bwd_task_bf16(const fo_attn_params *p, const seq_t
     memset(w->dv, 0, sizeof(float) * (size_t)(BK * D));
     int64_t ilo, ihi;
     queries_of_keys(p, s, j0, j0 + nk, &ilo, &ihi);
-    for (int64_t i0 = ilo; i0 < ihi; i0 += BQ) {
+    /* query tiles from an even query: the pairs of queries of Q^T, dO^T */
+    for (int64_t i0 = ilo & ~(int64_t)1; i0 < ihi; i0 += BQ) {
       const int64_t nq = min64(BQ, ihi - i0);
       keys_of_rows(p, s, i0, nq, &w->keys);
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+#if ATTN_AMX
+        if (qd) {
+          bwd_pair_amx(p, s, h, i0, nq, j0, nk, delta, dq_part, packed_at(qd, p, s, h), w);
+          continue;
+        }
+#endif
         bwd_pair_bf16(p, s, h, i0, nq, j0, nk, delta, dq_part, w);
+      }
     }
-    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, D);
+    /* AMX: dK^T, dV^T */
+    store_dkdv(p, s, hk, j0, nk, w->dk, w->dv, qd ? 1 : D, qd ? BK : 1, w->tmp);
   }
 }
 #endif
@@ -931,9 +1300,12 @@ const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
   const int64_t D = p->D, Dp = round_up(D, 16), rows = fo_attn_cpu_rows(p);
   float *delta = p->workspace + p->splits * rows * D;
   const int64_t tasks = p->B * p->Hkv * p->splits;
-#if FO_LEVEL >= 4
-  const int bf16_dot = bf16_dot_tiles(p);
-#endif
+  const int tiles = tiles_of(p);
+  packed_amx qd = {0}; /* AMX: Q^T and dO^T, packed */
+  if (tiles == TILES_AMX && !packed_init(&qd, p, 0)) {
+    packed_free(&qd);
+    return FO_CPU_OOM;
+  }
   int missing = 0;
   memset(p->workspace, 0, sizeof(float) * (size_t)(p->splits * rows * D));
 #pragma omp parallel if (fo_parallel(tasks, rows * p->Sk * D))
@@ -941,8 +1313,8 @@ const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
     bwd_scratch w = {0};
 #if FO_LEVEL >= 4
     bwd_scratch_bf16 wb = {0};
-    uint32_t *block = bf16_dot ? bwd_scratch_bf16_init(&wb, D) : bwd_scratch_init(&w, Dp);
-    float *tmp = bf16_dot ? wb.tmp : w.tmp;
+    uint32_t *block = tiles != TILES_F32 ? bwd_scratch_bf16_init(&wb, D) : bwd_scratch_init(&w, Dp);
+    float *tmp = tiles != TILES_F32 ? wb.tmp : w.tmp;
 #else
     uint32_t *block = bwd_scratch_init(&w, Dp);
     float *tmp = w.tmp;
@@ -950,24 +1322,34 @@ const char *FO_FN(fo_attn_bwd_cpu)(const fo_attn_params *p) {
     if (fo_every_thread_has(block, &missing)) {
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < rows; ++row) bwd_delta(p, row, delta, tmp);
-      /* the implicit barrier: delta is complete */
+#if ATTN_AMX
+      if (tiles == TILES_AMX) {
+        pack_all(p, &qd);
+        fo_amx_begin();
+      }
+#endif
+      /* the implicit barriers: delta (and the packing) complete */
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t split = task % p->splits, bh = task / p->splits;
         const seq_t s = seq_of(p, bh / p->Hkv);
+        switch (tiles) {
 #if FO_LEVEL >= 4
-        if (bf16_dot) {
-          bwd_task_bf16(p, &s, bh % p->Hkv, split, delta, &wb);
-          continue;
-        }
+        case TILES_BF16: bwd_task_bf16(p, &s, bh % p->Hkv, split, delta, NULL, &wb); break;
+        case TILES_AMX: bwd_task_bf16(p, &s, bh % p->Hkv, split, delta, &qd, &wb); break;
 #endif
-        bwd_task(p, &s, bh % p->Hkv, split, delta, &w);
+        default: bwd_task(p, &s, bh % p->Hkv, split, delta, &w);
+        }
       }
+#if ATTN_AMX
+      if (tiles == TILES_AMX) fo_amx_end();
+#endif
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < rows; ++row) bwd_dq_row(p, row, tmp);
     }
     free(block);
   }
+  packed_free(&qd);
   return missing ? FO_CPU_OOM : NULL;
 }
 FO_ENTRY(const char *, fo_attn_bwd_cpu, (const fo_attn_params *p), (p))

@@ -28,9 +28,11 @@
  * x86-64). Use feature levels, not CPU names: a CPU-name test
  * (arch=haswell) picked the baseline on an AMD EPYC. V4_BF16: v4 with
  * AVX512-BF16's dot products (vdpbf16ps), which the bf16 attention tiles use
- * (attention_cpu.c, in its v4 copy); every other kernel runs its v4 copy
- * there. */
-enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5 };
+ * (attention_cpu.c, in its v4 copy); AMX: V4_BF16 with Intel's AMX tiles
+ * (AMX-TILE, AMX-BF16 and Linux's permission to use them, asked at load time
+ * by dtype_cpu.c; cpu_amx.h), which those tiles' products then run on. Every
+ * other kernel runs its v4 copy at both. Each level has all below it. */
+enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5, FO_ISA_AMX = 6 };
 
 #ifndef FO_LEVEL
 #error "the CPU sources are compiled once per level with -DFO_LEVEL=0|3|4 (setup.py)"
@@ -47,7 +49,7 @@ enum { FO_ISA_BASE = 0, FO_ISA_V3 = 3, FO_ISA_V4 = 4, FO_ISA_V4_BF16 = 5 };
 #define FO_INLINE static inline __attribute__((always_inline))
 
 /* The level the kernels run at: the highest this CPU supports, lowered (never
- * raised) by FUSEDOPS_CPU_ISA=0|3|4|5 in the environment or by fo_cpu_set_isa.
+ * raised) by FUSEDOPS_CPU_ISA=0|3|4|5|6 in the environment or by fo_cpu_set_isa.
  * One copy for the library (dtype_cpu.c). */
 int fo_cpu_isa(void);
 int fo_cpu_set_isa(int cap);

@@ -1,15 +1,41 @@
 /* The x86-64 level the CPU kernels run at (cpu_dtype.h, FO_ENTRY), and
  * a test hook: the conversions of cpu_dtype.h at a chosen level, which
  * tests/test_dtype.py calls through ctypes and checks against torch's. */
+#define _DEFAULT_SOURCE /* syscall() outside strict ISO C */
 #include <stdlib.h>
 
 #include "cpu_dtype.h"
+#include "cpu_amx.h"
 
 #if FO_LEVEL == 0
-/* The highest level at most cap, of those up to hw. */
+#if FO_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* The highest level at most cap, of those up to hw (the levels are a chain:
+ * 0, 3, 4, 5, 6). */
 static int capped(int cap, int hw) {
-  if (cap >= hw) return hw;
-  return cap >= FO_ISA_V4 ? FO_ISA_V4 : cap >= FO_ISA_V3 ? FO_ISA_V3 : FO_ISA_BASE;
+  const int l = cap < hw ? cap : hw;
+  return l >= FO_ISA_V3 ? l : FO_ISA_BASE;
+}
+
+/* Whether this thread's process may run AMX tiles: the CPU has AMX-TILE and
+ * AMX-BF16, and Linux grants the tile data's state (XSTATE component 18) to
+ * the process, which it asks here (arch_prctl ARCH_REQ_XCOMP_PERM; without
+ * the grant the first tile instruction faults; the grant is for the whole
+ * process, its threads now and later). A software build of the tiles
+ * (tools/probes/amx_emulate.h forced in) takes them on any CPU. */
+static int amx_usable(void) {
+#if defined(FO_AMX_EMULATE)
+  return 1;
+#elif FO_AMX && defined(__GNUC__) && !defined(__clang__)
+  enum { ARCH_REQ_XCOMP_PERM_ = 0x1023, XFEATURE_XTILEDATA_ = 18 }; /* <asm/prctl.h>, Linux 5.16 */
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM_, XFEATURE_XTILEDATA_) == 0;
+#else
+  return 0;
+#endif
 }
 
 static int detect(void) {
@@ -17,7 +43,7 @@ static int detect(void) {
 #if FO_X86_LEVELS && defined(__GNUC__) && !defined(__clang__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("x86-64-v4"))
-    level = __builtin_cpu_supports("avx512bf16") ? FO_ISA_V4_BF16 : FO_ISA_V4;
+    level = !__builtin_cpu_supports("avx512bf16") ? FO_ISA_V4 : amx_usable() ? FO_ISA_AMX : FO_ISA_V4_BF16;
   else if (__builtin_cpu_supports("x86-64-v3"))
     level = FO_ISA_V3;
 #endif
