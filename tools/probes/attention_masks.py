@@ -6,7 +6,7 @@
 # documents run one dense causal call each, and dense causal batches at the documents' mean
 # length and at 16384 tokens; softcap 50 at 4096 tokens beside the same call without it. The
 # window row's fusedops_causal is the plain causal call counted on the window's pairs: a time ratio.
-import itertools, sys, torch
+import itertools, torch
 import torch.nn.functional as TF
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from fusedops import functional as F
