@@ -7,6 +7,7 @@ poisoned and inputs unchanged; every reduction, label smoothing, softcap,
 bias or none, one token, all targets ignored, vocabularies of 1, 7 and
 50000; autocast; torch.compile(fullgraph=True); opcheck; the CPU path's peak
 memory against the two-step form's; bad input."""
+import gc
 import re
 
 import pytest
@@ -414,7 +415,10 @@ def _peak_resident(fn):
     (the kernel's high-water mark, reset first). Tensors of tens of MB are
     mmap'd by glibc and unmapped when freed, so each shows up for as long as
     it lives; freed smaller ones may be reused unseen, which only lowers
-    the figure."""
+    the figure. Garbage of earlier tests is collected first: a cycle holding
+    a large tensor, freed by the collector while fn runs, would take its
+    size off the growth."""
+    gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
