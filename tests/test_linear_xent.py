@@ -435,8 +435,10 @@ def test_cpu_peak_memory_is_a_chunk_not_the_logits(chunk):
     path's peak stays under half the fp32 logits (128 MiB): one chunk of 64
     rows (16 MiB), the weight's gradient (8 MiB), small things; the two-step
     form (torch's matmul, fusedops' cross-entropy) holds the logits and their
-    gradient, and exceeds the logits' size: the measurement can tell them
-    apart."""
+    gradient. Some kernels' high-water mark sees only one of the two at its
+    peak (CI's machine reports about the logits' size), so the bound is three
+    quarters of the logits: still above the fused bound, the measurement
+    tells them apart."""
     chunk(64)
     rows, hidden, vocab = 512, 32, 65536
     x, w, _, t = make(rows, hidden, vocab, torch.float32, "cpu")
@@ -453,7 +455,7 @@ def test_cpu_peak_memory_is_a_chunk_not_the_logits(chunk):
         x.grad = w.grad = None
         peaks[fn.__name__] = _peak_resident(fn)
     assert peaks["fused"] < logits_bytes // 2, peaks
-    assert peaks["two_step"] > logits_bytes, peaks
+    assert peaks["two_step"] > logits_bytes * 3 // 4, peaks
 
 
 # --------------------------------------------------------------- bad input
