@@ -250,6 +250,19 @@ def test_cpu_bf16_without_dot_tiles(c):
         fused_and_check(c, "cpu")
 
 
+# The fp32 tiles' products take 8 x 32 register blocks with AVX-512 (level 4
+# and up), 4 x 16 ones below: the fp32 cases at each level the CPU has.
+FP32_TILE_CASES = [c for c in DTYPE_CASES + SEQ_CASES + DIM_CASES + GQA_CASES + LAYOUT_CASES
+                   if c.dtype == torch.float32]
+
+
+@pytest.mark.parametrize("level", [lv for lv in (0, 3, 4) if lv <= CPU_LEVEL])
+@pytest.mark.parametrize("c", FP32_TILE_CASES, ids=ids(FP32_TILE_CASES))
+def test_cpu_fp32_tiles_each_level(c, level):
+    with cpu_level(level):
+        fused_and_check(c, "cpu")
+
+
 # On an Intel CPU with AMX (level 6) the bf16 tiles' products run on AMX tiles
 # (csrc/common/cpu_amx.h), and level 5 (vdpbf16ps) runs nowhere else there:
 # the same cases at each level from 5 up, forward and backward.

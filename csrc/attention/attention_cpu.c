@@ -127,13 +127,65 @@ FO_INLINE v8f log2_scores(const fo_attn_params *p, v8f raw, v8f *t) {
   return raw * (p->scale * LOG2E);
 }
 
+#if FO_LEVEL >= 4
+/* AVX-512: sixteen floats, 32 registers. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+
+/* One RB x (16 CV) block of C (RB <= 8, CV <= 2) in RB CV registers across
+ * the K loop: per k, CV loads of B and RB broadcasts of A (each folded into
+ * its FMAs), RB CV FMAs. Constant RB and CV unroll it into registers. */
+FO_INLINE void gemm_block16(int RB, int CV, int64_t K, const float *a, int64_t rsa, int64_t csa,
+                            const float *restrict b, int64_t ldb, float *restrict c, int64_t ldc, int accumulate) {
+  v16f acc[8][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < CV; ++v)
+      acc[r][v] = accumulate ? *(const v16f *)(c + r * ldc + 16 * v) : (v16f){0};
+  for (int64_t k = 0; k < K; ++k, a += csa, b += ldb) {
+    v16f bv[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < CV; ++v) bv[v] = *(const v16f *)(b + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const float ar = a[r * rsa];
+#pragma GCC unroll 2
+      for (int v = 0; v < CV; ++v) acc[r][v] += ar * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < CV; ++v) *(v16f *)(c + r * ldc + 16 * v) = acc[r][v];
+}
+#endif
+
 /* C[M, N] (+)= A[M, K] B[K, N]: A element (i, k) at A[i * rsa + k * csa], so
  * that A may be a transposed tile; B and C row-major. M a multiple of 4, N of
- * 16; K any. Each 4 x 16 block of C stays in eight vector registers across the
- * K loop: per k, two loads of B, four broadcasts of A, eight FMAs. */
+ * 16; K any. Blocks of C stay in vector registers across the K loop: with
+ * AVX-512 8 x 32 (16 of the 32 registers; a 4-row or 16-column block at the
+ * edges), else 4 x 16 (eight of the 16): per k, two loads of B, four
+ * broadcasts of A, eight FMAs. */
 FO_INLINE void gemm_tile(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
                              int64_t csa, const float *restrict B, int64_t ldb,
                              float *restrict C, int64_t ldc, int accumulate) {
+#if FO_LEVEL >= 4
+  for (int64_t i = 0; i < M;) {
+    const int rb = M - i >= 8 ? 8 : 4;
+    for (int64_t j = 0; j < N;) {
+      const int cv = N - j >= 32 ? 2 : 1;
+      const float *a = A + i * rsa, *b = B + j;
+      float *c = C + i * ldc + j;
+      if (rb == 8 && cv == 2) gemm_block16(8, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else if (rb == 8) gemm_block16(8, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else if (cv == 2) gemm_block16(4, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else gemm_block16(4, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      j += 16 * cv;
+    }
+    i += rb;
+  }
+  return;
+#endif
   for (int64_t i = 0; i < M; i += 4) {
     for (int64_t j = 0; j < N; j += 16) {
       float *c = C + i * ldc + j;
