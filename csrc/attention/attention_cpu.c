@@ -493,37 +493,47 @@ static uint32_t *fwd_scratch_init(fwd_scratch *w, int64_t Dp) {
 /* A pair of bf16 read at any 2-byte alignment (a row of an odd stride). */
 typedef uint32_t pair_u __attribute__((aligned(2), may_alias));
 
+/* One RB x 32 block of C (RB <= 8) in 2 RB registers across the K2 loop: per
+ * pair p, two loads of B, RB broadcasts of A, 2 RB vdpbf16ps. */
+FO_TARGET_V4_BF16 static inline __attribute__((always_inline)) void
+gemm_bf16_block(int RB, int64_t K2, const pair_u *a, int64_t rsa, int64_t csa, const uint32_t *b, int64_t ldb,
+                float *c, int64_t ldc, int accumulate) {
+  __m512 acc[8][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+    acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K2; ++k, a += csa, b += ldb) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * rsa]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+  }
+}
+
 /* C[M, N] (+)= A B in fp32 from bf16 pairs: A element (i, p), the pair of
  * columns 2p, 2p + 1 of row i, at A[i * rsa + p * csa]; B row p (the pair of
  * rows 2p, 2p + 1) at B + p * ldb, 32-bit pairs, C row-major. M a multiple of
- * 4, N of 32. Each 4 x 32 block of C stays in eight registers across the K2
- * loop: per p, two loads of B, four broadcasts of A, eight vdpbf16ps. */
+ * 4, N of 32. Blocks of 8 x 32 (4 x 32 at the edge) stay in registers. */
 FO_TARGET_V4_BF16 static inline void gemm_bf16(int64_t M, int64_t N, int64_t K2, const pair_u *A,
                                                int64_t rsa, int64_t csa, const uint32_t *B, int64_t ldb,
                                                float *C, int64_t ldc, int accumulate) {
-  for (int64_t i = 0; i < M; i += 4) {
+  for (int64_t i = 0; i < M;) {
+    const int rb = M - i >= 8 ? 8 : 4;
     for (int64_t j = 0; j < N; j += 32) {
-      float *c = C + i * ldc + j;
-      __m512 acc[4][2];
-      for (int r = 0; r < 4; ++r) {
-        acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
-        acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
-      }
-      const pair_u *a = A + i * rsa;
-      const uint32_t *b = B + j;
-      for (int64_t k = 0; k < K2; ++k, a += csa, b += ldb) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
-        for (int r = 0; r < 4; ++r) {
-          const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * rsa]);
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
-        }
-      }
-      for (int r = 0; r < 4; ++r) {
-        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-        _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-      }
+      if (rb == 8) gemm_bf16_block(8, K2, A + i * rsa, rsa, csa, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+      else gemm_bf16_block(4, K2, A + i * rsa, rsa, csa, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
+    i += rb;
   }
 }
 
