@@ -44,15 +44,29 @@ static inline float fo_expf(float x) {
  * CPU; docs/perf-notes.md). The clamps are selects: a NaN lane compares
  * false and passes through, as in fo_expf. */
 static inline fo_vf fo_vexpf(fo_vf x) {
+#if FO_LEVEL >= 4
+  /* The clamps one vmaxps / vminps each (a NaN in the second operand is
+   * their result), and 2^n by vscalefps: p 2^n rounded once, as the two
+   * factors below round it (exact unless subnormal), so the same value. */
+  x = (fo_vf)_mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-150.f), (__m512)x));
+  FO_EXP_STEPS(fo_vf, x, t, n, p);
+  (void)t;
+  return (fo_vf)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+#if FO_LEVEL == 3
+  x = (fo_vf)_mm256_min_ps(_mm256_set1_ps(100.f), _mm256_max_ps(_mm256_set1_ps(-150.f), (__m256)x));
+#else
   const fo_vi lo = x < -150.f, hi = x > 100.f;
   x = fo_vselect(lo, (fo_vf){0} - 150.f, x);
   x = fo_vselect(hi, (fo_vf){0} + 100.f, x);
+#endif
   FO_EXP_STEPS(fo_vf, x, t, n, p);
   const fo_vi ni = (fo_vi)t - (int32_t)fo_f32_bits(FO_EXP_MAGIC);
   const fo_vi half = ni >> 1;
   const fo_vf s1 = (fo_vf)((half + 127) << 23);
   const fo_vf s2 = (fo_vf)((ni - half + 127) << 23);
   return p * s1 * s2;
+#endif
 }
 
 /* tanh of each lane as 1 - 2 / (e^2x + 1): within a few ulp of 1 absolute
