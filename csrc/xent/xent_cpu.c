@@ -37,19 +37,28 @@ static float z_at(const fo_xent_params *p, const char *row, int64_t j) {
 
 /* log sum exp of row r's z (and, in *zsum, the sum of its z): the max first
  * (a vector select: a scalar x > m ? x : m loop does not vectorise, it is not
- * a max for NaN), then the exponentials summed in FO_VL partial sums (a
- * running sum over 32000 classes loses ~10x torch's accuracy). A NaN or a
+ * a max for NaN), then the exponentials summed in 2 FO_VL partial sums (a
+ * running sum over 32000 classes loses ~10x torch's accuracy); both passes
+ * take two blocks a step, so that two dependency chains overlap. A NaN or a
  * +inf anywhere gives NaN, all -inf gives -inf: the row's loss is then NaN,
  * as torch's (its log_softmax subtracts an infinite max). */
 FO_INLINE float row_lse(const fo_xent_params *p, const char *row, float *zsum) {
   const int64_t n = p->vocab;
-  fo_vf mv = (fo_vf){0} - INFINITY;
+  fo_vf mv = (fo_vf){0} - INFINITY, mv2 = mv;
   fo_vi nan = {0};
-  for (int64_t j = 0; j < n; j += FO_VL) {
+  int64_t j = 0;
+  for (; j + 2 * FO_VL <= n; j += 2 * FO_VL) {
+    const fo_vf v = block_at(p, row, j, -INFINITY), v2 = block_at(p, row, j + FO_VL, -INFINITY);
+    mv = fo_vselect(v > mv, v, mv);
+    mv2 = fo_vselect(v2 > mv2, v2, mv2);
+    nan |= (v != v) | (v2 != v2);
+  }
+  for (; j < n; j += FO_VL) {
     const fo_vf v = block_at(p, row, j, -INFINITY);
     mv = fo_vselect(v > mv, v, mv);
     nan |= v != v;
   }
+  mv = fo_vselect(mv2 > mv, mv2, mv);
   float m = -INFINITY;
   int any_nan = 0;
   for (int k = 0; k < FO_VL; ++k) {
@@ -60,8 +69,15 @@ FO_INLINE float row_lse(const fo_xent_params *p, const char *row, float *zsum) {
   *zsum = NAN;
   if (any_nan || m == INFINITY) return NAN;
   if (m == -INFINITY) return m;
-  fo_vf s = {0}, zs = {0};
-  for (int64_t j = 0; j < n; j += FO_VL) {
+  fo_vf s = {0}, s2 = {0}, zs = {0};
+  for (j = 0; j + 2 * FO_VL <= n; j += 2 * FO_VL) {
+    const fo_vf v = block_at(p, row, j, -INFINITY), v2 = block_at(p, row, j + FO_VL, -INFINITY);
+    s += fo_vexpf(v - m);
+    s2 += fo_vexpf(v2 - m);
+    if (p->smoothing != 0.f) zs += v + v2;
+  }
+  s += s2;
+  for (; j < n; j += FO_VL) {
     const fo_vf v = block_at(p, row, j, -INFINITY);
     s += fo_vexpf(v - m);
     /* a -inf logit makes the smoothed loss +inf, as torch's; the pad adds 0 */
