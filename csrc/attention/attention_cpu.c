@@ -20,8 +20,9 @@
  *
  * FLOPs: 4 B Hq Sq Sk D forward (halved when causal), 2.5x that backward
  * (the five tile products; S is recomputed). Every product of the fp32 tiles
- * goes through one register-blocked kernel (gemm_tile, 4 x 16 fp32 block: 8
- * AVX2 accumulators); bf16 inputs with D a multiple of 32 take bf16 tiles
+ * goes through one register-blocked kernel (gemm_tile: 8 x 32 blocks with
+ * AVX-512, 4 x 16 with AVX2); the softmax loops run on vectors of the
+ * level's width (vf: 16 or 8 floats); bf16 inputs with D a multiple of 32 take bf16 tiles
  * whose products run on AVX512-BF16 (gemm_bf16, level 5) or on AMX tiles
  * (fo_amx_gemm, level 6, cpu_amx.h). exp is a polynomial exp2 so that the
  * softmax loops vectorise too. Measured: docs/perf/log/attention.md. */
@@ -36,12 +37,12 @@
 #include "../common/cpu_amx.h"
 
 /* -std=c11 turns floating-point contraction off; the tile products want FMA.
- * The vector code is written out (v8f below); the SLP vectoriser only got in
+ * The vector code is written out (vf below); the SLP vectoriser only got in
  * its way (it packed the four A values of gemm_tile into one register and
  * shuffled them back out). */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast", "no-tree-slp-vectorize")
-/* The v8f helpers below pass 32-byte vectors by value; they are static inline,
+/* The vf helpers below pass vectors by value; they are static inline,
  * so the ABI that this warns about never applies. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
@@ -58,29 +59,36 @@ static inline const void *elem(const void *base, fo_dtype t, int64_t off) {
   return (const char *)base + off * fo_dtype_size(t);
 }
 
-/* Eight floats as one value (GNU C vector extension): each op below is one
- * AVX instruction in the x86-64-v3 and v4 copies, two SSE ones in the baseline.
- * aligned(4): loads and stores need no 32-byte alignment. */
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+/* VL floats as one value (GNU C vector extension): sixteen in the v4 copy
+ * (one AVX-512 register), eight below (one AVX register in the v3 copy, two
+ * SSE ones in the baseline). aligned(4): loads and stores need no alignment. */
+#if FO_LEVEL >= 4
+enum { VL = 16 };
+#define VF_LANES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#else
+enum { VL = 8 };
+#define VF_LANES {0, 1, 2, 3, 4, 5, 6, 7}
+#endif
+typedef float vf __attribute__((vector_size(4 * VL), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VL), aligned(4)));
 
-FO_INLINE v8f v8_load(const float *p) { return *(const v8f *)p; }
-FO_INLINE void v8_store(float *p, v8f v) { *(v8f *)p = v; }
-FO_INLINE v8f v8_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; } /* constants */
-FO_INLINE v8f v8_select(v8i mask, v8f a, v8f b) { /* mask ? a : b, lane-wise */
-  return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+FO_INLINE vf vf_load(const float *p) { return *(const vf *)p; }
+FO_INLINE void vf_store(float *p, vf v) { *(vf *)p = v; }
+FO_INLINE vf vf_splat(float x) { return (vf){0} + x; } /* one broadcast (not -0: it gives +0) */
+FO_INLINE vf vf_select(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
+  return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
-FO_INLINE v8i v8_iota(int64_t c0) {
-  const int32_t c = (int32_t)c0;
-  return (v8i){c, c + 1, c + 2, c + 3, c + 4, c + 5, c + 6, c + 7};
-}
-FO_INLINE float v8_hmax(v8f v) {
+FO_INLINE vi vf_iota(int64_t c0) { return (vi)VF_LANES + (int32_t)c0; }
+FO_INLINE float vf_hmax(vf v) {
   float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-FO_INLINE float v8_hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+/* The lanes summed in halves: lane k + VL/2 onto lane k, and so on down. */
+FO_INLINE float vf_hsum(vf v) {
+  for (int w = VL / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) v[k] += v[k + w];
+  return v[0];
 }
 
 /* 2^f on [0, 1): a degree-5 polynomial (relative error 1.5e-7), highest
@@ -89,66 +97,61 @@ static const float exp2_poly[6] = {0.0018762329f, 0.0089925844f, 0.055823606f, 0
 
 /* 2^x lane-wise for x <= 0 (and a little above), 0 below -126 (-inf too):
  * exponent bits times exp2_poly. */
-FO_INLINE v8f v8_exp2(v8f x) {
-  const v8i under = x < v8_splat(-126.0f);
-  v8f xc = v8_select(under, v8_splat(-126.0f), x);
-  xc = v8_select(xc > v8_splat(127.0f), v8_splat(127.0f), xc);
-  const v8i t = __builtin_convertvector(xc + 127.0f, v8i); /* floor(xc) + 127: xc + 127 >= 1 */
-  const v8f f = xc - __builtin_convertvector(t - 127, v8f);
-  v8f p = v8_splat(exp2_poly[0]);
+FO_INLINE vf vf_exp2(vf x) {
+  const vi under = x < vf_splat(-126.0f);
+  vf xc = vf_select(under, vf_splat(-126.0f), x);
+  xc = vf_select(xc > vf_splat(127.0f), vf_splat(127.0f), xc);
+  const vi t = __builtin_convertvector(xc + 127.0f, vi); /* floor(xc) + 127: xc + 127 >= 1 */
+  const vf f = xc - __builtin_convertvector(t - 127, vf);
+  vf p = vf_splat(exp2_poly[0]);
   for (int i = 1; i < 6; ++i) p = p * f + exp2_poly[i];
-  return v8_select(under, v8_splat(0.0f), p * (v8f)(t << 23));
+  return vf_select(under, vf_splat(0.0f), p * (vf)(t << 23));
 }
 
-FO_INLINE float exp2_scalar(float x) { return v8_exp2(v8_splat(x))[0]; }
+FO_INLINE float exp2_scalar(float x) { return vf_exp2(vf_splat(x))[0]; }
 
 /* tanh lane-wise (relative error a few 1e-7): below |x| = 0.625 Cephes'
  * odd polynomial (1 - 2 / (e^2x + 1) would lose the small values to
  * cancellation), above it 1 - 2 / (e^{2|x|} + 1) with x's sign (exp2 saturates
  * at 2^127: +-1 for large |x| and inf); NaN stays NaN. */
-FO_INLINE v8f v8_tanh(v8f x) {
-  const v8i sign = (v8i)x & (int32_t)0x80000000;
-  const v8f a = (v8f)((v8i)x ^ sign), z = x * x;
-  const v8f poly =
+FO_INLINE vf vf_tanh(vf x) {
+  const vi sign = (vi)x & (int32_t)0x80000000;
+  const vf a = (vf)((vi)x ^ sign), z = x * x;
+  const vf poly =
       ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
        3.33332819422e-1f) * z * x + x;
-  const v8f big = (v8f)((v8i)(1.0f - 2.0f / (v8_exp2(a * (2.0f * LOG2E)) + 1.0f)) | sign);
-  return v8_select(x == x, v8_select(a < 0.625f, poly, big), x);
+  const vf big = (vf)((vi)(1.0f - 2.0f / (vf_exp2(a * (2.0f * LOG2E)) + 1.0f)) | sign);
+  return vf_select(x == x, vf_select(a < 0.625f, poly, big), x);
 }
 
 /* Scores in log2 units (the softmax runs on exp2) from raw products q.k:
  * s scale log2e, or soft-capped, cap tanh(s scale / cap) log2e. *t gets the
  * tanh (the backward's derivative 1 - t^2) where capped. */
-FO_INLINE v8f log2_scores(const fo_attn_params *p, v8f raw, v8f *t) {
+FO_INLINE vf log2_scores(const fo_attn_params *p, vf raw, vf *t) {
   if (p->softcap > 0.0f) {
-    *t = v8_tanh(raw * (p->scale / p->softcap));
+    *t = vf_tanh(raw * (p->scale / p->softcap));
     return *t * (p->softcap * LOG2E);
   }
   return raw * (p->scale * LOG2E);
 }
 
-#if FO_LEVEL >= 4
-/* AVX-512: sixteen floats, 32 registers. */
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-
-/* One RB x (16 CV) block of C (RB <= 8, CV <= 2) in RB CV registers across
+/* One RB x (CV VL) block of C (RB <= 8, CV <= 2) in RB CV registers across
  * the K loop: per k, CV loads of B and RB broadcasts of A (each folded into
- * its FMAs), RB CV FMAs. Constant RB and CV unroll it into registers. */
-FO_INLINE void gemm_block16(int RB, int CV, int64_t K, const float *a, int64_t rsa, int64_t csa,
-                            const float *restrict b, int64_t ldb, float *restrict c, int64_t ldc, int accumulate) {
-  v16f acc[8][2];
+ * its FMAs at v4), RB CV FMAs. Constant RB and CV unroll it into registers. */
+FO_INLINE void gemm_block(int RB, int CV, int64_t K, const float *a, int64_t rsa, int64_t csa,
+                          const float *restrict b, int64_t ldb, float *restrict c, int64_t ldc, int accumulate) {
+  vf acc[8][2];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
-    for (int v = 0; v < CV; ++v)
-      acc[r][v] = accumulate ? *(const v16f *)(c + r * ldc + 16 * v) : (v16f){0};
+    for (int v = 0; v < CV; ++v) acc[r][v] = accumulate ? vf_load(c + r * ldc + VL * v) : vf_splat(0.0f);
   for (int64_t k = 0; k < K; ++k, a += csa, b += ldb) {
-    v16f bv[2];
+    vf bv[2];
 #pragma GCC unroll 2
-    for (int v = 0; v < CV; ++v) bv[v] = *(const v16f *)(b + 16 * v);
+    for (int v = 0; v < CV; ++v) bv[v] = vf_load(b + VL * v);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const float ar = a[r * rsa];
+      const float ar = a[r * rsa]; /* scalar * vector: one broadcast */
 #pragma GCC unroll 2
       for (int v = 0; v < CV; ++v) acc[r][v] += ar * bv[v];
     }
@@ -156,63 +159,30 @@ FO_INLINE void gemm_block16(int RB, int CV, int64_t K, const float *a, int64_t r
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
-    for (int v = 0; v < CV; ++v) *(v16f *)(c + r * ldc + 16 * v) = acc[r][v];
+    for (int v = 0; v < CV; ++v) vf_store(c + r * ldc + VL * v, acc[r][v]);
 }
-#endif
 
 /* C[M, N] (+)= A[M, K] B[K, N]: A element (i, k) at A[i * rsa + k * csa], so
  * that A may be a transposed tile; B and C row-major. M a multiple of 4, N of
- * 16; K any. Blocks of C stay in vector registers across the K loop: with
- * AVX-512 8 x 32 (16 of the 32 registers; a 4-row or 16-column block at the
- * edges), else 4 x 16 (eight of the 16): per k, two loads of B, four
- * broadcasts of A, eight FMAs. */
-FO_INLINE void gemm_tile(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
-                             int64_t csa, const float *restrict B, int64_t ldb,
-                             float *restrict C, int64_t ldc, int accumulate) {
-#if FO_LEVEL >= 4
+ * 16; K any. Blocks of C stay in registers across the K loop: 8 x 32 with
+ * AVX-512 (16 of its 32 registers), 4 x 16 below (8 of 16); 4 rows or 16
+ * columns at the edges. */
+FO_INLINE void gemm_tile(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa, int64_t csa,
+                         const float *restrict B, int64_t ldb, float *restrict C, int64_t ldc, int accumulate) {
+  enum { ROWS = VL == 16 ? 8 : 4 };
   for (int64_t i = 0; i < M;) {
-    const int rb = M - i >= 8 ? 8 : 4;
+    const int rb = M - i >= ROWS ? ROWS : 4;
     for (int64_t j = 0; j < N;) {
-      const int cv = N - j >= 32 ? 2 : 1;
+      const int cv = N - j >= 2 * VL ? 2 : 1;
       const float *a = A + i * rsa, *b = B + j;
       float *c = C + i * ldc + j;
-      if (rb == 8 && cv == 2) gemm_block16(8, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
-      else if (rb == 8) gemm_block16(8, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
-      else if (cv == 2) gemm_block16(4, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
-      else gemm_block16(4, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
-      j += 16 * cv;
+      if (rb == ROWS && cv == 2) gemm_block(ROWS, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else if (rb == ROWS) gemm_block(ROWS, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else if (cv == 2) gemm_block(4, 2, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      else gemm_block(4, 1, K, a, rsa, csa, b, ldb, c, ldc, accumulate);
+      j += VL * cv;
     }
     i += rb;
-  }
-  return;
-#endif
-  for (int64_t i = 0; i < M; i += 4) {
-    for (int64_t j = 0; j < N; j += 16) {
-      float *c = C + i * ldc + j;
-      v8f c00 = v8_splat(0.0f), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-          c30 = c00, c31 = c00;
-      if (accumulate) {
-        c00 = v8_load(c), c01 = v8_load(c + 8);
-        c10 = v8_load(c + ldc), c11 = v8_load(c + ldc + 8);
-        c20 = v8_load(c + 2 * ldc), c21 = v8_load(c + 2 * ldc + 8);
-        c30 = v8_load(c + 3 * ldc), c31 = v8_load(c + 3 * ldc + 8);
-      }
-      const float *a = A + i * rsa, *b = B + j;
-      for (int64_t k = 0; k < K; ++k, a += csa, b += ldb) {
-        const v8f b0 = v8_load(b), b1 = v8_load(b + 8);
-        /* scalar * vector: one vbroadcastss each (a v8_splat here is built
-         * lane by lane, eight inserts) */
-        const float a0 = a[0], a1 = a[rsa], a2 = a[2 * rsa], a3 = a[3 * rsa];
-        c00 += a0 * b0, c01 += a0 * b1;
-        c10 += a1 * b0, c11 += a1 * b1;
-        c20 += a2 * b0, c21 += a2 * b1;
-        c30 += a3 * b0, c31 += a3 * b1;
-      }
-      v8_store(c, c00), v8_store(c + 8, c01);
-      v8_store(c + ldc, c10), v8_store(c + ldc + 8, c11);
-      v8_store(c + 2 * ldc, c20), v8_store(c + 2 * ldc + 8, c21);
-      v8_store(c + 3 * ldc, c30), v8_store(c + 3 * ldc + 8, c31);
-    }
   }
 }
 
@@ -317,9 +287,9 @@ static void keys_of_rows(const fo_attn_params *p, const seq_t *s, int64_t i0, in
   }
 }
 
-/* Lanes c..c+7 of a key tile starting at key j0 that row r sees. */
-FO_INLINE v8i visible_lanes(const tile_keys *tk, int64_t r, int64_t j0, int64_t c) {
-  const v8i col = v8_iota(j0 + c);
+/* Lanes c..c+VL-1 of a key tile starting at key j0 that row r sees. */
+FO_INLINE vi visible_lanes(const tile_keys *tk, int64_t r, int64_t j0, int64_t c) {
+  const vi col = vf_iota(j0 + c);
   return (col >= tk->lo[r]) & (col < tk->hi[r]);
 }
 
@@ -366,24 +336,24 @@ FO_INLINE void softmax_rows(const fo_attn_params *p, const tile_keys *tk, int64_
   const int64_t nk16 = round_up(nk, 16);
   for (int64_t r = 0; r < mq; ++r) {
     float *s = s_tile + r * BK;
-    v8f mx = v8_splat(-INFINITY), t;
-    for (int64_t c = 0; c < nk16; c += 8) {
-      const v8i vis = visible_lanes(tk, r, j0, c) & (v8_iota(c) < (int32_t)nk);
-      const v8f x = v8_select(vis, log2_scores(p, v8_load(s + c), &t), v8_splat(-INFINITY));
-      v8_store(s + c, x);
-      mx = v8_select(x > mx, x, mx);
+    vf mx = vf_splat(-INFINITY), t;
+    for (int64_t c = 0; c < nk16; c += VL) {
+      const vi vis = visible_lanes(tk, r, j0, c) & (vf_iota(c) < (int32_t)nk);
+      const vf x = vf_select(vis, log2_scores(p, vf_load(s + c), &t), vf_splat(-INFINITY));
+      vf_store(s + c, x);
+      mx = vf_select(x > mx, x, mx);
     }
-    const float m_tile = v8_hmax(mx);
+    const float m_tile = vf_hmax(mx);
     const float m_new = m_tile > m[r] ? m_tile : m[r];
     const float shift = m_new == -INFINITY ? 0.0f : m_new; /* nothing visible yet */
     const float alpha = exp2_scalar(m[r] - shift);
-    v8f acc = v8_splat(0.0f);
-    for (int64_t c = 0; c < nk16; c += 8) {
-      const v8f e = v8_exp2(v8_load(s + c) - shift);
-      v8_store(s + c, e);
+    vf acc = vf_splat(0.0f);
+    for (int64_t c = 0; c < nk16; c += VL) {
+      const vf e = vf_exp2(vf_load(s + c) - shift);
+      vf_store(s + c, e);
       acc += e;
     }
-    l[r] = l[r] * alpha + v8_hsum(acc);
+    l[r] = l[r] * alpha + vf_hsum(acc);
     m[r] = m_new;
     if (alpha != 1.0f) {
       float *o = o_tile + r * ldo;
@@ -637,27 +607,27 @@ FO_TARGET_V4_BF16 static void fwd_tile_bf16(const fo_attn_params *p, const seq_t
     int64_t krs;
     const pair_u *krows = rows_as_pairs(kb, &p->k_st, s->bb, s->k0 + j0, hk, nk, mk, D, w->k, &krs);
     gemm_bf16(mk, nq32, D2, krows, krs, 1, w->qt, BQ, w->st, BQ, 0);
-    /* online softmax down the key rows, 8 queries a vector */
-    for (int64_t i = 0; i < nq32; i += 8) {
-      const v8i lo = *(const v8i *)(tk->lo + i), hi = *(const v8i *)(tk->hi + i); /* each lane's keys */
-      v8f mx = v8_splat(-INFINITY), t;
+    /* online softmax down the key rows, VL queries a vector */
+    for (int64_t i = 0; i < nq32; i += VL) {
+      const vi lo = *(const vi *)(tk->lo + i), hi = *(const vi *)(tk->hi + i); /* each lane's keys */
+      vf mx = vf_splat(-INFINITY), t;
       for (int64_t c = 0; c < nk; ++c) {
-        v8f x = log2_scores(p, v8_load(w->st + c * BQ + i), &t);
-        if (!whole) x = v8_select((lo <= (int32_t)(j0 + c)) & (hi > (int32_t)(j0 + c)), x, v8_splat(-INFINITY));
-        v8_store(w->st + c * BQ + i, x);
-        mx = v8_select(x > mx, x, mx);
+        vf x = log2_scores(p, vf_load(w->st + c * BQ + i), &t);
+        if (!whole) x = vf_select((lo <= (int32_t)(j0 + c)) & (hi > (int32_t)(j0 + c)), x, vf_splat(-INFINITY));
+        vf_store(w->st + c * BQ + i, x);
+        mx = vf_select(x > mx, x, mx);
       }
-    const v8f m_old = v8_load(w->m + i), m_new = v8_select(mx > m_old, mx, m_old);
-      const v8f shift = v8_select(m_new == v8_splat(-INFINITY), v8_splat(0.0f), m_new);
-      v8_store(w->alpha + i, v8_exp2(m_old - shift));
-      v8_store(w->m + i, m_new);
-      v8f sum = v8_splat(0.0f);
+    const vf m_old = vf_load(w->m + i), m_new = vf_select(mx > m_old, mx, m_old);
+      const vf shift = vf_select(m_new == vf_splat(-INFINITY), vf_splat(0.0f), m_new);
+      vf_store(w->alpha + i, vf_exp2(m_old - shift));
+      vf_store(w->m + i, m_new);
+      vf sum = vf_splat(0.0f);
       for (int64_t c = 0; c < nk; ++c) {
-        const v8f e = v8_exp2(v8_load(w->st + c * BQ + i) - shift);
-        v8_store(w->st + c * BQ + i, e);
+        const vf e = vf_exp2(vf_load(w->st + c * BQ + i) - shift);
+        vf_store(w->st + c * BQ + i, e);
         sum += e;
       }
-      v8_store(w->l + i, v8_load(w->l + i) * v8_load(w->alpha + i) + sum);
+      vf_store(w->l + i, vf_load(w->l + i) * vf_load(w->alpha + i) + sum);
     }
     for (int64_t i = 0; i < mq; ++i)
       if (w->alpha[i] != 1.0f)
@@ -744,17 +714,12 @@ FO_TARGET_AMX static inline __m512 exp2_16(__m512 x) {
   return _mm512_scalef_ps(q, n);
 }
 
-/* log2_scores on 16 lanes (soft-capped: as two halves of 8). */
+/* log2_scores on 16 lanes (the v4 copy's vf). */
 FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512 raw, __m512 *t) {
-  if (p->softcap > 0.0f) {
-    v8f t0, t1;
-    const v8f lo = log2_scores(p, (v8f)_mm512_castps512_ps256(raw), &t0);
-    const v8f hi = log2_scores(p, (v8f)_mm512_extractf32x8_ps(raw, 1), &t1);
-    *t = _mm512_insertf32x8(_mm512_castps256_ps512((__m256)t0), (__m256)t1, 1);
-    return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
-  }
-  *t = _mm512_setzero_ps();
-  return _mm512_mul_ps(raw, _mm512_set1_ps(p->scale * LOG2E));
+  vf tv = vf_splat(0.0f);
+  const vf x = log2_scores(p, (vf)raw, &tv);
+  *t = (__m512)tv;
+  return (__m512)x;
 }
 
 /* 16 floats rounded to bf16. */
@@ -1063,14 +1028,14 @@ FO_INLINE void probs_rows(const fo_attn_params *p, const seq_t *s, const tile_ke
     const float lse2 = *lse_at(p, s, h, i0 + r) * LOG2E;
     const float dl = delta[r];
     float *pr = pr_tile + r * BK, *ds = ds_tile + r * BK;
-    for (int64_t c = 0; c < nk16; c += 8) {
-      const v8i visible = visible_lanes(tk, r, j0, c) & (v8_iota(c) < (int32_t)nk);
-      v8f t;
-      const v8f pc = v8_select(visible, v8_exp2(log2_scores(p, v8_load(pr + c), &t) - lse2), v8_splat(0.0f));
-      v8f dsc = pc * (v8_load(ds + c) - dl);
+    for (int64_t c = 0; c < nk16; c += VL) {
+      const vi visible = visible_lanes(tk, r, j0, c) & (vf_iota(c) < (int32_t)nk);
+      vf t;
+      const vf pc = vf_select(visible, vf_exp2(log2_scores(p, vf_load(pr + c), &t) - lse2), vf_splat(0.0f));
+      vf dsc = pc * (vf_load(ds + c) - dl);
       if (p->softcap > 0.0f) dsc *= 1.0f - t * t;
-      v8_store(pr + c, pc);
-      v8_store(ds + c, v8_select(visible, dsc, v8_splat(0.0f)));
+      vf_store(pr + c, pc);
+      vf_store(ds + c, vf_select(visible, dsc, vf_splat(0.0f)));
     }
   }
 }
