@@ -95,9 +95,21 @@ FO_INLINE float vf_hsum(vf v) {
  * coefficient first. */
 static const float exp2_poly[6] = {0.0018762329f, 0.0089925844f, 0.055823606f, 0.24015453f, 0.69315296f, 1.0f};
 
-/* 2^x lane-wise for x <= 0 (and a little above), 0 below -126 (-inf too):
- * exponent bits times exp2_poly. */
+/* 2^x lane-wise: exp2_poly of f = x - floor(x), times 2^floor(x); -inf gives
+ * 0, NaN stays NaN, large x a huge value or inf (vf_tanh's case). The v4 copy
+ * scales by vscalefps (subnormal below -126, 0 from -200 on; x is clamped to
+ * [-200, 128] so that +-inf makes no inf - inf); below v4 by the exponent
+ * bits, 0 below -126, x clamped to 127. */
 FO_INLINE vf vf_exp2(vf x) {
+#if FO_LEVEL >= 4
+  /* on a NaN in its second operand, max and min return it */
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-200.0f), (__m512)x));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const vf f = (vf)_mm512_sub_ps(xc, n);
+  vf q = vf_splat(exp2_poly[0]);
+  for (int i = 1; i < 6; ++i) q = q * f + exp2_poly[i];
+  return (vf)_mm512_scalef_ps((__m512)q, n);
+#else
   const vi under = x < vf_splat(-126.0f);
   vf xc = vf_select(under, vf_splat(-126.0f), x);
   xc = vf_select(xc > vf_splat(127.0f), vf_splat(127.0f), xc);
@@ -106,6 +118,7 @@ FO_INLINE vf vf_exp2(vf x) {
   vf p = vf_splat(exp2_poly[0]);
   for (int i = 1; i < 6; ++i) p = p * f + exp2_poly[i];
   return vf_select(under, vf_splat(0.0f), p * (vf)(t << 23));
+#endif
 }
 
 FO_INLINE float exp2_scalar(float x) { return vf_exp2(vf_splat(x))[0]; }
@@ -702,17 +715,8 @@ static inline uint32_t *packed_at(const packed_amx *pk, const fo_attn_params *p,
  * now that the products cost less than the softmax. */
 enum { BKA = 128 };
 
-/* 2^x on 16 lanes for x <= 0: exp2_poly of f = x - floor(x), scaled by
- * 2^floor(x) (vscalefps: subnormal below -126, 0 from -200 on and for -inf);
- * NaN stays NaN. */
-FO_TARGET_AMX static inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x); /* on a NaN, max returns its second operand */
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 q = _mm512_set1_ps(exp2_poly[0]);
-  for (int i = 1; i < 6; ++i) q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(exp2_poly[i]));
-  return _mm512_scalef_ps(q, n);
-}
+/* vf_exp2 on the AMX code's __m512. */
+FO_TARGET_AMX static inline __m512 exp2_16(__m512 x) { return (__m512)vf_exp2((vf)x); }
 
 /* log2_scores on 16 lanes (the v4 copy's vf). */
 FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512 raw, __m512 *t) {
