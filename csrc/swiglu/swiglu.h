@@ -66,37 +66,42 @@ const char *fo_glu_bwd_cuda(const fo_glu_params *p, void *stream);
 /* --- the activation math, shared by the C and CUDA kernels -------------------------------
  * The includer defines FO_GLU_FN (function qualifiers), FO_GLU_EXP(x) (e^x in
  * fp32) and FO_GLU_RCP(x) (1/x in fp32) before including this header with
- * FO_GLU_MATH defined. */
+ * FO_GLU_MATH defined; and FO_GLU_T, the type the math runs on, where it is
+ * not float (the C kernels: a block of fp32 lanes, GNU C's vectors, which
+ * take a float wherever a vector goes). */
 #ifdef FO_GLU_MATH
+#ifndef FO_GLU_T
+#define FO_GLU_T float
+#endif
 #define FO_GLU_K0 0.7978845608028654f /* sqrt(2 / pi) */
 #define FO_GLU_K1 0.044715f
 
-/* a(g) and a'(g) of the activation (see above). */
-FO_GLU_FN float fo_glu_arg(float g, int gelu, float *da) {
-  if (!gelu) {
-    *da = 1.f;
-    return g;
-  }
-  const float g2 = g * g;
+/* a(g) of the activation (see above), and for gelu a'(g) in *da (silu's
+ * a'(g) = 1 leaves *da as it is). */
+FO_GLU_FN FO_GLU_T fo_glu_arg(FO_GLU_T g, int gelu, FO_GLU_T *da) {
+  if (!gelu) return g;
+  const FO_GLU_T g2 = g * g;
   *da = 2.f * FO_GLU_K0 * (1.f + 3.f * FO_GLU_K1 * g2);
   return 2.f * FO_GLU_K0 * (g + FO_GLU_K1 * g2 * g);
 }
 
 /* sigmoid(a) = 1 / (1 + e^-a): 0 when e^-a overflows, NaN for NaN. */
-FO_GLU_FN float fo_glu_sigmoid(float a) { return FO_GLU_RCP(1.f + FO_GLU_EXP(-a)); }
+FO_GLU_FN FO_GLU_T fo_glu_sigmoid(FO_GLU_T a) { return FO_GLU_RCP(1.f + FO_GLU_EXP(-a)); }
 
 /* out = act(g) * u */
-FO_GLU_FN float fo_glu_fwd(float g, float u, int gelu) {
-  float da;
+FO_GLU_FN FO_GLU_T fo_glu_fwd(FO_GLU_T g, FO_GLU_T u, int gelu) {
+  FO_GLU_T da;
   return g * fo_glu_sigmoid(fo_glu_arg(g, gelu, &da)) * u;
 }
 
 /* *dg = d * u * act'(g), *du = d * act(g) */
-FO_GLU_FN void fo_glu_bwd(float d, float g, float u, int gelu, float *dg, float *du) {
-  float da;
-  const float s = fo_glu_sigmoid(fo_glu_arg(g, gelu, &da));
-  const float act = g * s;
+FO_GLU_FN void fo_glu_bwd(FO_GLU_T d, FO_GLU_T g, FO_GLU_T u, int gelu, FO_GLU_T *dg, FO_GLU_T *du) {
+  FO_GLU_T da = g; /* gelu's a'(g) after fo_glu_arg; unread for silu */
+  const FO_GLU_T s = fo_glu_sigmoid(fo_glu_arg(g, gelu, &da));
+  const FO_GLU_T act = g * s;
+  FO_GLU_T t = act * (1.f - s); /* act'(g) = s + act (1 - s) a'(g) */
+  if (gelu) t = t * da;
   *du = d * act;
-  *dg = d * u * (s + act * (1.f - s) * da);
+  *dg = d * u * (s + t);
 }
 #endif
