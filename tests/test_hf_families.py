@@ -226,6 +226,8 @@ def test_packed_mask_that_holds_more_is_kept():
 
 
 # --------------------------------------------------------------- training curves
+CONVERGENCE_LR = {"Gemma3": 7e-4}  # where 1e-3 is not (test_convergence)
+
 @pytest.mark.parametrize("case", IDS)
 def test_convergence(case):
     """300 AdamW steps (fp32, CPU) patched and unpatched from the same weights
@@ -234,7 +236,10 @@ def test_convergence(case):
     models (hidden 32, head dim 8): CPU time. Learning rate 1e-3: at 3e-3
     these models' losses spike after ~100 steps and the spikes amplify
     rounding differences chaotically (Phi-3 measured 3e-7 relative up to step
-    100, 2.6e-2 by 300; at 1e-3, 3.3e-7 throughout)."""
+    100, 2.6e-2 by 300; at 1e-3, 3.3e-7 throughout). Gemma 3 is chaotic at
+    1e-3 already (the unpatched model against itself with its weights moved
+    by 1e-7 relative: 6e-5 by step 264) and takes CONVERGENCE_LR's rate, at
+    which that stays at rounding level and the model still learns."""
     _, family, extra = BY_ID[case]
     transformers = pytest.importorskip("transformers")
     size = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
@@ -251,7 +256,7 @@ def test_convergence(case):
             fusedops.patch(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _loss_curve(model, data, 1e-3)
+            return _loss_curve(model, data, CONVERGENCE_LR.get(case, 1e-3))
 
     plain, patched = train(False), train(True)
     rel = ((patched - plain).abs() / plain).max().item()
