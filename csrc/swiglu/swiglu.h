@@ -66,20 +66,24 @@ const char *fo_glu_bwd_cuda(const fo_glu_params *p, void *stream);
 /* --- the activation math, shared by the C and CUDA kernels -------------------------------
  * The includer defines FO_GLU_FN (function qualifiers), FO_GLU_EXP(x) (e^x in
  * fp32) and FO_GLU_RCP(x) (1/x in fp32) before including this header with
- * FO_GLU_MATH defined; and FO_GLU_T, the type the math runs on, where it is
- * not float (the C kernels: a block of fp32 lanes, GNU C's vectors, which
- * take a float wherever a vector goes). */
+ * FO_GLU_MATH defined; and FO_GLU_T, the type the math runs on, with
+ * FO_GLU_ONE, its 1, where it is not float (the C kernels: a block of fp32
+ * lanes, GNU C's vectors, which take a float in arithmetic but not in an
+ * assignment). */
 #ifdef FO_GLU_MATH
 #ifndef FO_GLU_T
 #define FO_GLU_T float
+#define FO_GLU_ONE 1.f
 #endif
 #define FO_GLU_K0 0.7978845608028654f /* sqrt(2 / pi) */
 #define FO_GLU_K1 0.044715f
 
-/* a(g) of the activation (see above), and for gelu a'(g) in *da (silu's
- * a'(g) = 1 leaves *da as it is). */
+/* a(g) and a'(g) of the activation (see above). */
 FO_GLU_FN FO_GLU_T fo_glu_arg(FO_GLU_T g, int gelu, FO_GLU_T *da) {
-  if (!gelu) return g;
+  if (!gelu) {
+    *da = FO_GLU_ONE;
+    return g;
+  }
   const FO_GLU_T g2 = g * g;
   *da = 2.f * FO_GLU_K0 * (1.f + 3.f * FO_GLU_K1 * g2);
   return 2.f * FO_GLU_K0 * (g + FO_GLU_K1 * g2 * g);
@@ -96,12 +100,10 @@ FO_GLU_FN FO_GLU_T fo_glu_fwd(FO_GLU_T g, FO_GLU_T u, int gelu) {
 
 /* *dg = d * u * act'(g), *du = d * act(g) */
 FO_GLU_FN void fo_glu_bwd(FO_GLU_T d, FO_GLU_T g, FO_GLU_T u, int gelu, FO_GLU_T *dg, FO_GLU_T *du) {
-  FO_GLU_T da = g; /* gelu's a'(g) after fo_glu_arg; unread for silu */
+  FO_GLU_T da;
   const FO_GLU_T s = fo_glu_sigmoid(fo_glu_arg(g, gelu, &da));
   const FO_GLU_T act = g * s;
-  FO_GLU_T t = act * (1.f - s); /* act'(g) = s + act (1 - s) a'(g) */
-  if (gelu) t = t * da;
   *du = d * act;
-  *dg = d * u * (s + t);
+  *dg = d * u * (s + act * (1.f - s) * da);
 }
 #endif

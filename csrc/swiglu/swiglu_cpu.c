@@ -10,6 +10,7 @@
 #define FO_GLU_MATH
 #define FO_GLU_FN FO_INLINE
 #define FO_GLU_T fo_vf
+#define FO_GLU_ONE ((fo_vf){0} + 1.f)
 #define FO_GLU_EXP(x) fo_vexpf(x)
 #define FO_GLU_RCP(x) (1.f / (x))
 #include "swiglu.h"
