@@ -22,9 +22,9 @@
  * (the five tile products; S is recomputed). Every product of the fp32 tiles
  * goes through one register-blocked kernel (gemm_tile: 8 x 32 blocks with
  * AVX-512, 4 x 16 with AVX2); the softmax loops run on vectors of the
- * level's width (vf: 16 or 8 floats); bf16 inputs with D a multiple of 32 take bf16 tiles
- * whose products run on AVX512-BF16 (gemm_bf16, level 5) or on AMX tiles
- * (fo_amx_gemm, level 6, cpu_amx.h). exp is a polynomial exp2 so that the
+ * level's width (vf: 16 or 8 floats); bf16 inputs with D a multiple of 32
+ * take bf16 tiles whose products run on AVX512-BF16 (gemm_bf16, level 5) or
+ * on AMX tiles (fo_amx_gemm, level 6, cpu_amx.h). exp is a polynomial exp2 so that the
  * softmax loops vectorise too. Measured: docs/perf/log/attention.md. */
 #include <stdlib.h>
 #include <string.h>
@@ -300,10 +300,13 @@ static void keys_of_rows(const fo_attn_params *p, const seq_t *s, int64_t i0, in
   }
 }
 
-/* Lanes c..c+VL-1 of a key tile starting at key j0 that row r sees. */
-FO_INLINE vi visible_lanes(const tile_keys *tk, int64_t r, int64_t j0, int64_t c) {
-  const vi col = vf_iota(j0 + c);
-  return (col >= tk->lo[r]) & (col < tk->hi[r]);
+/* Lanes c..c+VL-1 of a key tile of nk keys starting at key j0 that row r
+ * sees (none past nk); whole: every row sees every key of the tile. */
+FO_INLINE vi visible_lanes(const tile_keys *tk, int64_t r, int64_t j0, int64_t c, int64_t nk, int whole) {
+  const vi col = vf_iota(c), in_tile = col < (int32_t)nk;
+  if (whole) return in_tile;
+  const vi key = col + (int32_t)j0;
+  return in_tile & (key >= tk->lo[r]) & (key < tk->hi[r]);
 }
 
 /* The queries [*ilo, *ihi) of s whose keys (fo_attn_keys: both ends
@@ -351,7 +354,7 @@ FO_INLINE void softmax_rows(const fo_attn_params *p, const tile_keys *tk, int64_
     float *s = s_tile + r * BK;
     vf mx = vf_splat(-INFINITY), t;
     for (int64_t c = 0; c < nk16; c += VL) {
-      const vi vis = visible_lanes(tk, r, j0, c) & (vf_iota(c) < (int32_t)nk);
+      const vi vis = visible_lanes(tk, r, j0, c, nk, 0);
       const vf x = vf_select(vis, log2_scores(p, vf_load(s + c), &t), vf_splat(-INFINITY));
       vf_store(s + c, x);
       mx = vf_select(x > mx, x, mx);
@@ -729,17 +732,10 @@ FO_TARGET_AMX static inline __m512 log2_scores16(const fo_attn_params *p, __m512
 /* 16 floats rounded to bf16. */
 FO_TARGET_AMX static inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-/* Lanes c..c+15 of a key tile of nk keys starting at key j0 that row r sees
- * (every lane below nk when the whole tile is seen by every row). */
+/* visible_lanes as the AMX code's mask register. */
 FO_TARGET_AMX static inline __mmask16 visible16(const tile_keys *tk, int64_t r, int64_t j0, int64_t c, int64_t nk,
                                                 int whole) {
-  const __m512i col = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32((int32_t)c));
-  __mmask16 vis = _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)nk));
-  if (!whole)
-    vis &= _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->lo[r] - j0))) &
-           _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32((int32_t)(tk->hi[r] - j0)));
-  return vis;
+  return _mm512_movepi32_mask((__m512i)visible_lanes(tk, r, j0, c, nk, whole));
 }
 
 /* Keys j0.. (n of them, j0 even) of sequence s, kv head hk, packed at dst =
@@ -1033,7 +1029,7 @@ FO_INLINE void probs_rows(const fo_attn_params *p, const seq_t *s, const tile_ke
     const float dl = delta[r];
     float *pr = pr_tile + r * BK, *ds = ds_tile + r * BK;
     for (int64_t c = 0; c < nk16; c += VL) {
-      const vi visible = visible_lanes(tk, r, j0, c) & (vf_iota(c) < (int32_t)nk);
+      const vi visible = visible_lanes(tk, r, j0, c, nk, 0);
       vf t;
       const vf pc = vf_select(visible, vf_exp2(log2_scores(p, vf_load(pr + c), &t) - lse2), vf_splat(0.0f));
       vf dsc = pc * (vf_load(ds + c) - dl);
